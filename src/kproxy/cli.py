@@ -1,0 +1,397 @@
+"""The `kproxy` command: run, render, cleanup, lab, demo.
+
+Flags keep kube-proxy's names so an existing DaemonSet's arguments work unchanged. User
+mistakes (bad config, bad mode, missing files) end with a one-line error and exit code 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kproxy import __version__
+from kproxy.config import ConfigError, ProxyConfig, apply_flags, load_config
+from kproxy.dataplane.base import DataplaneUnavailable, check_mode_available
+from kproxy.dataplane.facts import NodeFacts
+from kproxy.lab.cli import lab_app
+
+app = typer.Typer(
+    help="kproxy: a Kubernetes service proxy compatible with kube-proxy, with safe live "
+    "proxy-mode switching.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(lab_app, name="lab", help="Build and tear down the network-namespace lab.")
+
+log = logging.getLogger("kproxy")
+
+
+class UserError(Exception):
+    """A mistake of the user's: printed as one line, exit code 2."""
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    typer.secho(f"kproxy: error: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(code)
+
+
+def setup_logging(verbosity: int) -> None:
+    level = logging.WARNING - 10 * verbosity if verbosity < 2 else logging.DEBUG
+    logging.basicConfig(
+        level=min(level, logging.INFO) if verbosity >= 0 else logging.WARNING,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+# --- options shared by run and render -----------------------------------------------------------
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", help="KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1).")
+]
+ModeOpt = Annotated[
+    str | None,
+    typer.Option("--proxy-mode", help="iptables, nftables, ipvs or userspace (default iptables). Never falls back."),
+]
+SourceOpt = Annotated[
+    Path,
+    typer.Option("--source", help="A YAML/JSON file or folder of Services, EndpointSlices and Nodes; watched."),
+]
+HostOpt = Annotated[
+    str | None, typer.Option("--hostname-override", help="The node name (default: this machine's hostname).")
+]
+CidrOpt = Annotated[str | None, typer.Option("--cluster-cidr", help="The pods' CIDR (local-traffic detection).")]
+MasqOpt = Annotated[
+    bool | None, typer.Option("--masquerade-all/--no-masquerade-all", help="SNAT all traffic to services.")
+]
+SyncOpt = Annotated[str | None, typer.Option("--iptables-sync-period", help="Max time between syncs, e.g. 30s.")]
+MinSyncOpt = Annotated[
+    str | None, typer.Option("--iptables-min-sync-period", help="Min time between syncs, e.g. 1s.")
+]
+MarkOpt = Annotated[int | None, typer.Option("--iptables-masquerade-bit", help="fwmark bit for SNAT (0-31).")]
+LocalhostOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--iptables-localhost-nodeports/--no-iptables-localhost-nodeports",
+        help="Serve NodePorts on 127.0.0.1 (sets route_localnet).",
+    ),
+]
+NodePortAddrOpt = Annotated[
+    str | None, typer.Option("--nodeport-addresses", help="Comma-separated CIDRs NodePorts answer on, or 'primary'.")
+]
+DetectOpt = Annotated[
+    str | None,
+    typer.Option("--detect-local-mode", help="ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix."),
+]
+BridgeOpt = Annotated[str | None, typer.Option("--pod-bridge-interface", help="For --detect-local-mode BridgeInterface.")]
+PrefixOpt = Annotated[
+    str | None, typer.Option("--pod-interface-name-prefix", help="For --detect-local-mode InterfaceNamePrefix.")
+]
+MetricsOpt = Annotated[str | None, typer.Option("--metrics-bind-address", help="ip:port of /metrics.")]
+HealthOpt = Annotated[str | None, typer.Option("--healthz-bind-address", help="ip:port of /healthz and /livez.")]
+BackendOpt = Annotated[
+    str,
+    typer.Option("--iptables-backend", help="auto (detect like upstream), nft or legacy."),
+]
+NodeIpOpt = Annotated[
+    list[str] | None, typer.Option("--node-ip", help="The node's primary IP (repeatable); default: detected.")
+]
+VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, help="More logging (-v info, -vv debug).")]
+
+
+def build_config(
+    config_path: Path | None, flags: dict[str, object | None]
+) -> tuple[ProxyConfig, list[str]]:
+    """Config file + explicitly given flags, validated; user errors become UserError."""
+    given = {k: _flag_text(v) for k, v in flags.items() if v is not None}
+    try:
+        config = load_config(config_path)
+        config, ignored = apply_flags(config, given)
+        check_mode_available(config.effective_mode)
+    except (ConfigError, DataplaneUnavailable) as err:
+        raise UserError(str(err)) from None
+    except FileNotFoundError as err:
+        raise UserError(f"config file not found: {err.filename}") from None
+    return config, ignored
+
+
+def _flag_text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _node_name(config: ProxyConfig) -> str:
+    import socket
+
+    return (config.hostname_override or socket.gethostname()).strip().lower()
+
+
+def _iptables_flags(
+    mode: str | None,
+    hostname: str | None,
+    cluster_cidr: str | None,
+    masquerade_all: bool | None,
+    sync_period: str | None,
+    min_sync_period: str | None,
+    masquerade_bit: int | None,
+    localhost_nodeports: bool | None,
+    nodeport_addresses: str | None,
+    detect_local_mode: str | None,
+    bridge: str | None,
+    prefix: str | None,
+) -> dict[str, object | None]:
+    return {
+        "proxy-mode": mode,
+        "hostname-override": hostname,
+        "cluster-cidr": cluster_cidr,
+        "masquerade-all": masquerade_all,
+        "iptables-sync-period": sync_period,
+        "iptables-min-sync-period": min_sync_period,
+        "iptables-masquerade-bit": masquerade_bit,
+        "iptables-localhost-nodeports": localhost_nodeports,
+        "nodeport-addresses": nodeport_addresses,
+        "detect-local-mode": detect_local_mode,
+        "pod-bridge-interface": bridge,
+        "pod-interface-name-prefix": prefix,
+    }
+
+
+def _backend(choice: str):  # noqa: ANN202 - returns IptablesBackend
+    from kproxy.dataplane.iptables.backend import IptablesBackend, detect_backend
+
+    if choice not in ("auto", "nft", "legacy"):
+        raise UserError(f"--iptables-backend: invalid value {choice!r}: must be auto, nft or legacy")
+    flavour = detect_backend() if choice == "auto" else choice
+    return IptablesBackend(flavour)
+
+
+# --- run ------------------------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    source: SourceOpt,
+    config_path: ConfigOpt = None,
+    mode: ModeOpt = None,
+    hostname: HostOpt = None,
+    cluster_cidr: CidrOpt = None,
+    masquerade_all: MasqOpt = None,
+    sync_period: SyncOpt = None,
+    min_sync_period: MinSyncOpt = None,
+    masquerade_bit: MarkOpt = None,
+    localhost_nodeports: LocalhostOpt = None,
+    nodeport_addresses: NodePortAddrOpt = None,
+    detect_local_mode: DetectOpt = None,
+    bridge: BridgeOpt = None,
+    prefix: PrefixOpt = None,
+    metrics_bind: MetricsOpt = None,
+    healthz_bind: HealthOpt = None,
+    backend: BackendOpt = "auto",
+    node_ip: NodeIpOpt = None,
+    state_dir: Annotated[
+        Path, typer.Option("--state-dir", help="Where failed restore inputs and state are kept.")
+    ] = Path("/var/run/kproxy"),
+    verbose: VerboseOpt = 1,
+) -> None:
+    """Run the proxy in the current network namespace (use `ip netns exec` for a lab node).
+
+    Programs the node's dataplane from --source and keeps it in sync until stopped. On exit
+    the rules stay in place: the dataplane outlives the process, and the next start adopts it.
+    """
+    setup_logging(verbose)
+    try:
+        flags = _iptables_flags(
+            mode, hostname, cluster_cidr, masquerade_all, sync_period, min_sync_period, masquerade_bit,
+            localhost_nodeports, nodeport_addresses, detect_local_mode, bridge, prefix,
+        )
+        flags["metrics-bind-address"] = metrics_bind
+        flags["healthz-bind-address"] = healthz_bind
+        config, ignored = build_config(config_path, flags)
+        if ignored:
+            log.warning("flags ignored because --config is given (as upstream): %s", ", ".join(ignored))
+        from kproxy.daemon import Daemon
+
+        daemon = Daemon(config, source=source, backend=_backend(backend), node_ips=tuple(node_ip or ()),
+                        state_dir=state_dir, node_name=_node_name(config))
+        daemon.start()
+    except UserError as err:
+        raise fail(str(err)) from None
+    except FileNotFoundError as err:
+        raise fail(f"source not found: {err.filename or err}") from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        daemon.stop()
+        log.info("stopped; the rules stay in place")
+
+
+# --- render ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def render(
+    source: SourceOpt,
+    config_path: ConfigOpt = None,
+    mode: ModeOpt = None,
+    hostname: HostOpt = None,
+    cluster_cidr: CidrOpt = None,
+    masquerade_all: MasqOpt = None,
+    masquerade_bit: MarkOpt = None,
+    localhost_nodeports: LocalhostOpt = None,
+    nodeport_addresses: NodePortAddrOpt = None,
+    detect_local_mode: DetectOpt = None,
+    bridge: BridgeOpt = None,
+    prefix: PrefixOpt = None,
+    node_ip: NodeIpOpt = None,
+    local_address: Annotated[
+        list[str] | None,
+        typer.Option("--local-address", help="An address on the node's interfaces (repeatable); default: detected."),
+    ] = None,
+    random_fully: Annotated[
+        bool | None,
+        typer.Option("--random-fully/--no-random-fully", help="Whether MASQUERADE --random-fully is supported."),
+    ] = None,
+    nfacct: Annotated[
+        list[str] | None, typer.Option("--nfacct-counter", help="An existing nfacct counter (repeatable).")
+    ] = None,
+    tcp_be_liberal: Annotated[
+        bool | None,
+        typer.Option("--tcp-be-liberal/--no-tcp-be-liberal", help="Whether nf_conntrack_tcp_be_liberal is set."),
+    ] = None,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Print the iptables-restore input a full sync would apply. Needs no root and no kernel.
+
+    Node facts a live sync detects (node IPs, local addresses, --random-fully support, nfacct
+    counters, tcp_be_liberal) can be given as options so the output is reproducible on any
+    machine; those not given are detected on this machine. Jump rules from the built-in
+    chains (added once, only when missing) are not part of the output, as upstream.
+    """
+    setup_logging(verbose)
+    from kproxy.config import rule_options
+    from kproxy.dataplane.iptables.render import render_full
+    from kproxy.model.snapshot import snapshot_from_objects
+    from kproxy.sources.files import load_path
+
+    try:
+        config, _ = build_config(
+            config_path,
+            _iptables_flags(
+                mode, hostname, cluster_cidr, masquerade_all, None, None, masquerade_bit,
+                localhost_nodeports, nodeport_addresses, detect_local_mode, bridge, prefix,
+            ),
+        )
+        try:
+            objects, problems = load_path(source)
+        except FileNotFoundError:
+            raise UserError(f"source not found: {source}") from None
+        for p in problems:
+            typer.secho(f"kproxy: warning: {p}", err=True, fg=typer.colors.YELLOW)
+        snapshot = snapshot_from_objects(objects.values(), _node_name(config))
+        for rej in snapshot.rejections:
+            typer.secho(f"kproxy: warning: skipping invalid {rej}", err=True, fg=typer.colors.YELLOW)
+        facts = _render_facts(node_ip, local_address, random_fully, nfacct, tcp_be_liberal)
+        sys.stdout.write(render_full(snapshot, facts, rule_options(config)))
+    except UserError as err:
+        raise fail(str(err)) from None
+
+
+def _render_facts(
+    node_ip: list[str] | None,
+    local_address: list[str] | None,
+    random_fully: bool | None,
+    nfacct: list[str] | None,
+    tcp_be_liberal: bool | None,
+) -> NodeFacts:
+    """Given facts win; the rest is detected here (best effort, no root needed)."""
+    need_detect = None in (random_fully, tcp_be_liberal) or not node_ip or local_address is None
+    detected = NodeFacts()
+    if need_detect:
+        try:
+            from kproxy.dataplane.nodefacts import detect_node_facts
+
+            detected = detect_node_facts(node_ips=tuple(node_ip or ()))
+        except Exception as err:  # detection is optional for a render
+            log.info("could not detect node facts (%s); using defaults", err)
+    return NodeFacts(
+        node_ips=tuple(node_ip) if node_ip else detected.node_ips,
+        local_addresses=tuple(local_address) if local_address is not None else detected.local_addresses,
+        random_fully=detected.random_fully if random_fully is None else random_fully,
+        nfacct_counters=frozenset(nfacct) if nfacct is not None else detected.nfacct_counters,
+        tcp_be_liberal=detected.tcp_be_liberal if tcp_be_liberal is None else tcp_be_liberal,
+    )
+
+
+# --- cleanup --------------------------------------------------------------------------------------
+
+
+@app.command()
+def cleanup(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be removed, and why.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Remove the iptables state of kproxy and upstream kube-proxy (both backends), only that.
+
+    Chains of other software, and kubelet's own chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY),
+    are never touched. Works in the current network namespace.
+    """
+    setup_logging(verbose)
+    from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError
+    from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
+
+    removed = []
+    for flavour in ("nft", "legacy"):
+        try:
+            removed += iptables_cleanup(IptablesBackend(flavour), dry_run=dry_run)
+        except IptablesError as err:
+            raise fail(f"cleanup of iptables-{flavour} failed: {err}", code=1) from None
+    if as_json:
+        typer.echo(json.dumps({"dry_run": dry_run, "removed": [o.__dict__ for o in removed]}, indent=2))
+        return
+    verb = "would remove" if dry_run else "removed"
+    if not removed:
+        typer.echo("nothing to remove: no kproxy or kube-proxy iptables state here")
+    for obj in removed:
+        typer.echo(f"{verb} {obj}")
+
+
+# --- demo and version -----------------------------------------------------------------------------
+
+
+@app.command()
+def demo(
+    keep: Annotated[bool, typer.Option("--keep", help="Leave the lab running at the end.")] = False,
+) -> None:
+    """Build the lab, run kproxy on its node, send traffic, edit a service live, tear down."""
+    from kproxy.demo import run_demo
+
+    raise typer.Exit(run_demo(keep=keep))
+
+
+@app.command()
+def version() -> None:
+    """Print the kproxy version."""
+    typer.echo(f"kproxy {__version__}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

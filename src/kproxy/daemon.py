@@ -1,0 +1,103 @@
+"""Assemble a running proxy from a config: source, tracker, dataplane, sync loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from kproxy.config import ProxyConfig, rule_options
+from kproxy.conntrack import cleanup_stale_udp
+from kproxy.dataplane.base import Dataplane
+from kproxy.dataplane.iptables.backend import IptablesBackend
+from kproxy.dataplane.iptables.proxier import IptablesDataplane
+from kproxy.dataplane.nodefacts import detect_node_facts
+from kproxy.model.snapshot import ChangeTracker
+from kproxy.sources.files import FileSource
+from kproxy.sync import ProxyLoop
+from kproxy.sysctl import set_sysctl
+
+log = logging.getLogger("kproxy.daemon")
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        *,
+        source: Path,
+        backend: IptablesBackend,
+        node_name: str,
+        node_ips: tuple[str, ...] = (),
+        state_dir: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.node_name = node_name
+        self.source = FileSource(source)
+        if not Path(source).exists():
+            raise FileNotFoundError(2, "no such file or folder", str(source))
+        self.tracker = ChangeTracker(node_name)
+        options = rule_options(config)
+        facts = detect_node_facts(backend=backend, node_ips=node_ips)
+        log.info(
+            "node %s: node IPs %s, iptables backend %s, random-fully %s",
+            node_name,
+            ", ".join(facts.node_ips) or "none",
+            backend.flavour,
+            facts.random_fully,
+        )
+        self.dataplane: Dataplane = IptablesDataplane(backend, facts, options, state_dir=state_dir)
+        if options.localhost_nodeports:
+            # NodePorts on 127.0.0.1 need route_localnet (upstream sets it too); KUBE-FIREWALL
+            # blocks the martian traffic this would otherwise let in.
+            set_sysctl("net/ipv4/conf/all/route_localnet", 1)
+        self.loop = ProxyLoop(
+            self.tracker,
+            self.dataplane,
+            min_sync_period=config.min_sync_period,
+            sync_period=config.sync_period,
+            udp_cleaner=lambda ips, ports: cleanup_stale_udp(ips, ports),
+            on_synced=self._write_status,
+        )
+        self.state_dir = state_dir
+
+    def start(self) -> None:
+        log.info("kproxy starting in %s mode on node %s", self.dataplane.mode, self.node_name)
+        self.loop.start(self.source)
+
+    def status(self) -> dict[str, object]:
+        st = self.loop.status
+        res = st.last_result
+        return {
+            "mode": self.dataplane.mode,
+            "node": self.node_name,
+            "pid": os.getpid(),
+            "syncs": st.syncs,
+            "full_syncs": st.full_syncs,
+            "failures": st.failures,
+            "last_sync": st.last_sync,
+            "last_full_sync": st.last_full_sync,
+            "last_duration": st.last_duration,
+            "last_error": st.last_error,
+            "services": res.services if res else 0,
+            "invalid_objects": st.invalid_objects,
+            "generation": self.tracker.generation,
+            "pending": self.loop.pending,
+        }
+
+    def _write_status(self, *_: object) -> None:
+        """status.json in the state dir: what `kproxy status` and the lab harness read."""
+        if self.state_dir is None:
+            return
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.state_dir / "status.json.tmp"
+            tmp.write_text(json.dumps(self.status(), indent=2) + "\n")
+            tmp.replace(self.state_dir / "status.json")
+        except OSError as err:
+            log.warning("could not write status: %s", err)
+
+    def stop(self) -> None:
+        self.source.stop()
+        self.loop.stop()

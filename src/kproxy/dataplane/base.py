@@ -1,0 +1,72 @@
+"""What every proxy mode implements, and the registry of modes this build provides.
+
+The sync loop, the live switch and the inspectors talk to a mode only through this
+interface: sync a snapshot (full or partial), say what it owns, clean it up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kproxy.model.objects import Snapshot
+
+VALID_MODES = ("iptables", "nftables", "ipvs", "userspace")
+AVAILABLE_MODES = ("iptables",)
+
+
+class DataplaneUnavailable(Exception):  # noqa: N818
+    """The mode cannot run on this node or in this build; the message says why and what to do."""
+
+
+class SyncError(Exception):
+    """Applying a plan failed; the kernel still holds the last good state."""
+
+    def __init__(self, message: str, *, kept_input: str | None = None) -> None:
+        super().__init__(message)
+        self.kept_input = kept_input
+
+
+@dataclass
+class SyncResult:
+    full: bool
+    services: int = 0
+    rewritten: int = 0
+    stale_removed: int = 0
+    # Rules written per table in this sync and owned in total (for the rule-count metrics).
+    rules_written: dict[str, int] = field(default_factory=dict)
+    rules_total: dict[str, int] = field(default_factory=dict)
+    pieces: int = 1
+
+
+@dataclass(frozen=True)
+class OwnedObject:
+    """One piece of kernel state a cleanup would remove, and why it is considered ours."""
+
+    kind: str  # "iptables-chain", "iptables-rule", "nft-table", ...
+    where: str  # e.g. "iptables-nft nat"
+    name: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.where} {self.name}: {self.reason}"
+
+
+class Dataplane(Protocol):
+    mode: str
+
+    def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult: ...
+
+    def owned(self) -> list[OwnedObject]:
+        """Kernel state of this mode that exists now (kproxy's or upstream kube-proxy's)."""
+
+    def cleanup(self, *, dry_run: bool = False) -> list[OwnedObject]:
+        """Remove this mode's state (only ours); returns what was (or would be) removed."""
+
+
+def check_mode_available(mode: str) -> None:
+    if mode not in AVAILABLE_MODES:
+        raise DataplaneUnavailable(
+            f"proxy mode {mode!r} is not available in this build (available: "
+            f"{', '.join(AVAILABLE_MODES)}); kproxy never falls back to another mode"
+        )

@@ -1,0 +1,220 @@
+"""iptables mode: apply IptablesPlans through iptables-restore, full or partial.
+
+Apply strategy (why it looks like this):
+* Always `--noflush`: chains we declare are flushed and rewritten atomically, everything
+  else (other software's rules, our jumps) stays. No moment without rules, ever.
+* Partial syncs write only the chains of services whose ServicePort changed, and omit a
+  whole table section when its top-level chains would be rewritten with identical rules.
+* On the nft backend a large full sync is loaded in bounded pieces: service chains first
+  (unreferenced until KUBE-SERVICES points at them), then the top-level chains in one
+  piece, then stale chains. iptables-nft-restore is superlinear in input size, so this
+  turns minutes into seconds; the order keeps every intermediate state consistent.
+* Stale chains are found from what we last programmed, read from the kernel once at
+  start (adoption) and on every full sync, instead of an iptables-save per sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kproxy.dataplane.base import OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.iptables import names
+from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError, RestoreError, rule_spec
+from kproxy.dataplane.iptables.render import (
+    JUMPS,
+    KUBELET_FIREWALL_JUMPS,
+    IptablesPlan,
+    IptablesRenderer,
+    jump_rule,
+)
+from kproxy.model.objects import ServicePort, ServicePortName, Snapshot
+
+log = logging.getLogger("kproxy.iptables")
+
+# Services per piece when a large full sync is split (nft backend only).
+PIECE_SERVICES = 250
+SPLIT_THRESHOLD = 500
+
+
+@dataclass
+class AppliedState:
+    services: dict[ServicePortName, ServicePort]
+    chains: set[str]
+    filter_rules: list[str]
+    nat_top_rules: list[str]
+
+
+class IptablesDataplane:
+    mode = "iptables"
+
+    def __init__(
+        self,
+        backend: IptablesBackend,
+        facts: NodeFacts,
+        options: RuleOptions,
+        *,
+        state_dir: Path | None = None,
+        piece_services: int = PIECE_SERVICES,
+    ) -> None:
+        self.backend = backend
+        self.facts = facts
+        self.options = options
+        self.renderer = IptablesRenderer(facts, options)
+        self.state_dir = state_dir
+        self.piece_services = piece_services
+        self._applied: AppliedState | None = None
+        self.last_plan: IptablesPlan | None = None
+
+    # --- sync --------------------------------------------------------------------------------
+
+    def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult:
+        applied = self._applied
+        if applied is None:
+            full = True
+        if full:
+            existing = {c for c in self.backend.chains("nat") if names.is_service_chain(c)}
+            rewrite = None
+        else:
+            assert applied is not None
+            existing = applied.chains
+            rewrite = {
+                n for n, sp in snapshot.services.items() if applied.services.get(n) is not sp and applied.services.get(n) != sp
+            }
+        plan = self.renderer.plan(snapshot, rewrite=rewrite, existing_chains=existing)
+        self.last_plan = plan
+        include_filter = full or applied is None or plan.filter_rules != applied.filter_rules
+        include_nat_top = full or applied is None or plan.nat_top_rules != applied.nat_top_rules
+        jumps = self._missing_jumps() if full else []
+        pieces = self._pieces(plan, include_filter, include_nat_top, jumps, split=full)
+        for i, data in enumerate(pieces):
+            try:
+                self.backend.restore(data)
+            except RestoreError as err:
+                self._keep_failed(data, err)
+                # Chains written by earlier pieces are consistent on their own, but what we
+                # believe is applied is no longer exact: force the next sync to be full.
+                self._applied = None
+                raise SyncError(
+                    f"iptables restore failed (piece {i + 1}/{len(pieces)}): {err}",
+                    kept_input=data,
+                ) from err
+            except IptablesError as err:
+                self._applied = None
+                raise SyncError(f"iptables restore failed: {err}") from err
+        self._applied = AppliedState(
+            services=dict(snapshot.services),
+            chains=set(plan.active_chains),
+            filter_rules=plan.filter_rules,
+            nat_top_rules=plan.nat_top_rules,
+        )
+        return SyncResult(
+            full=full,
+            services=len(snapshot.services),
+            rewritten=len(plan.rewritten),
+            stale_removed=len(plan.stale_chains),
+            rules_written=plan.rules_written(include_filter=include_filter, include_nat_top=include_nat_top),
+            rules_total=dict(plan.rules_total),
+            pieces=len(pieces),
+        )
+
+    def _pieces(
+        self,
+        plan: IptablesPlan,
+        include_filter: bool,
+        include_nat_top: bool,
+        jumps: list[tuple[str, str]],
+        *,
+        split: bool,
+    ) -> list[str]:
+        jump_lines = {"filter": [j for t, j in jumps if t == "filter"], "nat": [j for t, j in jumps if t == "nat"]}
+        if jump_lines["filter"]:
+            include_filter = True
+        if jump_lines["nat"]:
+            include_nat_top = True
+        big = split and self.backend.flavour == "nft" and len(plan.blocks) > SPLIT_THRESHOLD
+        if not big:
+            text = _with_jumps(plan.text(include_filter=include_filter, include_nat_top=include_nat_top), jump_lines)
+            return [text] if text else []
+        pieces: list[str] = []
+        step = self.piece_services
+        for i in range(0, len(plan.blocks), step):
+            pieces.append("\n".join(plan.nat_section(plan.blocks[i : i + step], include_top=False)) + "\n")
+        top: list[str] = []
+        if include_filter:
+            top += ["*filter", *plan.filter_chains, *plan.filter_rules, "COMMIT"]
+        if include_nat_top:
+            top += plan.nat_section((), include_top=True)
+        if top:
+            pieces.append(_with_jumps("\n".join(top) + "\n", jump_lines))
+        stale = plan.stale_chains
+        for i in range(0, len(stale), step * 10):
+            pieces.append("\n".join(plan.nat_section((), include_top=False, stale=stale[i : i + step * 10])) + "\n")
+        return pieces
+
+    def _missing_jumps(self) -> list[tuple[str, str]]:
+        """Jump rules from built-in chains that are not in place, as restore lines."""
+        wanted: list[tuple[str, str, str]] = []  # (table, position verb, rule)
+        for table, chain, extra, comment, target in JUMPS:
+            wanted.append((table, "-I", jump_rule(chain, extra, comment, target)))
+        if self.renderer.localhost_nodeports:
+            for table, chain, target in KUBELET_FIREWALL_JUMPS:
+                wanted.append((table, "-A", f"{chain} -j {target}"))
+        missing = []
+        for table, verb, rule in wanted:
+            try:
+                present = self.backend.check_rule(table, rule_spec(rule))
+            except IptablesError as err:
+                log.warning("could not check jump %r: %s", rule, err)
+                present = False
+            if not present:
+                missing.append((table, f"{verb} {rule}"))
+        return missing
+
+    def _keep_failed(self, data: str, err: RestoreError) -> None:
+        log.error("%s", err)
+        ctx = err.context()
+        if ctx:
+            log.error("rejected input around the failing line:\n%s", ctx)
+        if self.state_dir is None:
+            return
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            path = self.state_dir / "iptables-failed-restore.txt"
+            path.write_text(data)
+            (self.state_dir / "iptables-failed-restore.error").write_text(
+                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {err}\n"
+            )
+            log.error("the rejected restore input is kept in %s", path)
+        except OSError as oserr:
+            log.warning("could not keep the failed restore input: %s", oserr)
+
+    # --- ownership and cleanup ---------------------------------------------------------------
+
+    def owned(self) -> list[OwnedObject]:
+        from kproxy.dataplane.iptables.cleanup import owned_state
+
+        return owned_state(self.backend)
+
+    def cleanup(self, *, dry_run: bool = False) -> list[OwnedObject]:
+        from kproxy.dataplane.iptables.cleanup import cleanup
+
+        return cleanup(self.backend, dry_run=dry_run)
+
+
+def _with_jumps(text: str, jump_lines: dict[str, list[str]]) -> str:
+    """Insert the missing jump lines right before each table's COMMIT (chains exist by then)."""
+    if not any(jump_lines.values()):
+        return text
+    out: list[str] = []
+    table = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+        if line == "COMMIT":
+            out += jump_lines.get(table, [])
+        out.append(line)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,482 @@
+"""Plan iptables mode: Snapshot -> iptables-restore input, rule-compatible with upstream.
+
+Pure and deterministic: no kernel, no clock. Services are written sorted by
+ServicePortName (upstream iterates a Go map, so its order is random); the rules of one
+service and the chain names are upstream's. Each service's rules are computed once into a
+ServiceBlock and cached while its ServicePort value is unchanged, which is what makes
+partial syncs and repeated renders cheap.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.iptables import names
+from kproxy.model.objects import Endpoint, ServicePort, ServicePortName, Snapshot
+
+# Top-level chains, in the order upstream declares them.
+FILTER_TOP_CHAINS = (
+    "KUBE-SERVICES",
+    "KUBE-EXTERNAL-SERVICES",
+    "KUBE-FORWARD",
+    "KUBE-NODEPORTS",
+    "KUBE-PROXY-FIREWALL",
+)
+NAT_TOP_CHAINS = ("KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ")
+KUBELET_FIREWALL_CHAIN = "KUBE-FIREWALL"
+LARGE_CLUSTER_ENDPOINTS = 1000
+CT_INVALID_COUNTER = "ct_state_invalid_dropped_pkts"
+LOCALHOST_NODEPORTS_COUNTER = "localhost_nps_accepted_pkts"
+
+# Jumps from built-in chains into ours: (table, chain, extra match args, comment, target).
+# Upstream checks these with -C and inserts them at position 1 when missing, full syncs only.
+JUMPS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("filter", "INPUT", "-m conntrack --ctstate NEW", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
+    ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
+    ("filter", "INPUT", "", "kubernetes health check service ports", "KUBE-NODEPORTS"),
+    ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes service portals", "KUBE-SERVICES"),
+    ("filter", "OUTPUT", "-m conntrack --ctstate NEW", "kubernetes service portals", "KUBE-SERVICES"),
+    ("filter", "FORWARD", "", "kubernetes forwarding rules", "KUBE-FORWARD"),
+    ("filter", "INPUT", "-m conntrack --ctstate NEW", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    ("filter", "OUTPUT", "-m conntrack --ctstate NEW", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    ("nat", "OUTPUT", "", "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "PREROUTING", "", "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "POSTROUTING", "", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
+)
+# kubelet's chain, which kube-proxy also ensures: plain jumps from INPUT and OUTPUT.
+KUBELET_FIREWALL_JUMPS = (("filter", "INPUT", "KUBE-FIREWALL"), ("filter", "OUTPUT", "KUBE-FIREWALL"))
+
+
+def jump_rule(chain: str, extra: str, comment: str, target: str) -> str:
+    """A jump as iptables-save prints it (also valid restore input after -A/-I)."""
+    middle = f"{extra} " if extra else ""
+    return f"{chain} {middle}-m comment --comment \"{comment}\" -j {target}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceBlock:
+    """Everything one service port contributes to a restore."""
+
+    filter_rules: tuple[str, ...]  # in the top-level filter chains
+    nat_top_rules: tuple[str, ...]  # in nat KUBE-SERVICES / KUBE-NODEPORTS
+    chains: tuple[str, ...]  # nat chains this service owns (SVC/SVL/EXT/FW/SEP)
+    chain_rules: tuple[str, ...]  # the rules of those chains
+
+
+@dataclass
+class IptablesPlan:
+    """One sync's restore input, kept in parts so the applier can omit or split them."""
+
+    filter_chains: list[str] = field(default_factory=list)
+    filter_rules: list[str] = field(default_factory=list)
+    nat_top_chains: list[str] = field(default_factory=list)
+    nat_top_rules: list[str] = field(default_factory=list)
+    # Blocks of the services whose chains this sync (re)writes, in service order.
+    blocks: list[ServiceBlock] = field(default_factory=list)
+    # Every service chain that exists after this restore (written now or kept from before).
+    active_chains: set[str] = field(default_factory=set)
+    stale_chains: list[str] = field(default_factory=list)
+    rewritten: set[ServicePortName] = field(default_factory=set)
+    large_cluster: bool = False
+    rules_total: dict[str, int] = field(default_factory=dict)
+
+    def text(self, *, include_filter: bool = True, include_nat_top: bool = True) -> str:
+        """The whole restore input (optionally without the parts known to be unchanged)."""
+        parts: list[str] = []
+        if include_filter:
+            parts += ["*filter", *self.filter_chains, *self.filter_rules, "COMMIT"]
+        nat = self.nat_section(self.blocks, include_top=include_nat_top, stale=self.stale_chains)
+        return "\n".join(parts + nat) + "\n" if parts or nat else ""
+
+    def nat_section(
+        self, blocks: Iterable[ServiceBlock], *, include_top: bool, stale: Iterable[str] = ()
+    ) -> list[str]:
+        blocks = list(blocks)
+        stale = list(stale)
+        if not blocks and not stale and not include_top:
+            return []
+        parts = ["*nat"]
+        if include_top:
+            parts += self.nat_top_chains
+        for b in blocks:
+            parts += [f":{c} - [0:0]" for c in b.chains]
+        parts += [f":{c} - [0:0]" for c in stale]
+        if include_top:
+            parts += self.nat_top_rules
+        for b in blocks:
+            parts += b.chain_rules
+        parts += [f"-X {c}" for c in stale]
+        parts.append("COMMIT")
+        return parts
+
+    def rules_written(self, *, include_filter: bool, include_nat_top: bool) -> dict[str, int]:
+        nat = sum(len(b.chain_rules) for b in self.blocks)
+        if include_nat_top:
+            nat += len(self.nat_top_rules)
+        return {"filter": len(self.filter_rules) if include_filter else 0, "nat": nat}
+
+
+class LocalDetector:
+    """Which traffic comes from this cluster's pods (upstream's LocalTrafficDetector)."""
+
+    def __init__(self, options: RuleOptions, pod_cidrs: Iterable[str]) -> None:
+        mode = options.detect_local_mode or "ClusterCIDR"
+        self.if_local = ""
+        self.if_not_local = ""
+        if mode == "ClusterCIDR" and options.cluster_cidrs:
+            cidr = options.cluster_cidrs[0]
+            self.if_local, self.if_not_local = f"-s {cidr}", f"! -s {cidr}"
+        elif mode == "NodeCIDR":
+            cidrs = list(pod_cidrs)
+            if cidrs:
+                self.if_local, self.if_not_local = f"-s {cidrs[0]}", f"! -s {cidrs[0]}"
+        elif mode == "BridgeInterface" and options.bridge_interface:
+            br = options.bridge_interface
+            self.if_local, self.if_not_local = f"-i {br}", f"! -i {br}"
+        elif mode == "InterfaceNamePrefix" and options.interface_name_prefix:
+            p = options.interface_name_prefix
+            self.if_local, self.if_not_local = f"-i {p}+", f"! -i {p}+"
+
+    @property
+    def implemented(self) -> bool:
+        return bool(self.if_local)
+
+
+def nodeport_ips(options: RuleOptions, facts: NodeFacts) -> list[str] | None:
+    """The node IPs NodePorts answer on; None means every local address (match-all)."""
+    if not options.node_port_addresses:
+        return None
+    if tuple(options.node_port_addresses) == ("primary",):
+        return list(facts.node_ips)
+    nets = [ipaddress.ip_network(c, strict=False) for c in options.node_port_addresses]
+    out = []
+    for addr in facts.local_addresses:
+        ip = ipaddress.ip_address(addr)
+        if any(ip.version == n.version and ip in n for n in nets):
+            out.append(addr)
+    return out
+
+
+def localhost_nodeports_enabled(options: RuleOptions) -> bool:
+    """Upstream forces localhost NodePorts off when nodePortAddresses excludes 127.0.0.1."""
+    if not options.localhost_nodeports:
+        return False
+    if not options.node_port_addresses:
+        return True
+    if tuple(options.node_port_addresses) == ("primary",):
+        return False
+    lo = ipaddress.ip_address("127.0.0.1")
+    return any(lo in ipaddress.ip_network(c, strict=False) for c in options.node_port_addresses if ":" not in c)
+
+
+class IptablesRenderer:
+    """Builds restore input; keeps per-service blocks between calls while inputs are equal."""
+
+    def __init__(self, facts: NodeFacts, options: RuleOptions) -> None:
+        self.facts = facts
+        self.options = options
+        self.mark = options.masquerade_mark
+        self.localhost_nodeports = localhost_nodeports_enabled(options)
+        self._cache: dict[ServicePortName, tuple[ServicePort, bool, ServiceBlock]] = {}
+        self._detector_cidrs: tuple[str, ...] = ()
+        self.detector = LocalDetector(options, ())
+
+    def block(self, sp: ServicePort, large: bool) -> ServiceBlock:
+        hit = self._cache.get(sp.name)
+        if hit is not None and hit[1] == large and (hit[0] is sp or hit[0] == sp):
+            return hit[2]
+        blk = self._build_block(sp, large)
+        self._cache[sp.name] = (sp, large, blk)
+        return blk
+
+    def plan(
+        self,
+        snapshot: Snapshot,
+        *,
+        rewrite: set[ServicePortName] | None = None,
+        existing_chains: Iterable[str] = (),
+    ) -> IptablesPlan:
+        """rewrite=None: full sync (every service chain written). Otherwise only those services'
+        chains are written and the others are left as the kernel has them (a partial sync).
+        existing_chains: service chains known to exist in the kernel, to find stale ones."""
+        if snapshot.node.pod_cidrs != self._detector_cidrs:
+            self._detector_cidrs = snapshot.node.pod_cidrs
+            self.detector = LocalDetector(self.options, snapshot.node.pod_cidrs)
+            self._cache.clear()
+        ports = snapshot.sorted_ports()
+        large = sum(len(sp.endpoints) for sp in ports) > LARGE_CLUSTER_ENDPOINTS
+        plan = IptablesPlan(large_cluster=large)
+        plan.filter_chains = [f":{c} - [0:0]" for c in FILTER_TOP_CHAINS]
+        plan.nat_top_chains = [f":{c} - [0:0]" for c in NAT_TOP_CHAINS]
+        mark = self.mark
+        nat_rules = plan.nat_top_rules
+        nat_rules += [
+            f"-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN",
+            f"-A KUBE-POSTROUTING -j MARK --xor-mark {mark}",
+            "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\""
+            " -j MASQUERADE" + (" --random-fully" if self.facts.random_fully else ""),
+            f"-A KUBE-MARK-MASQ -j MARK --or-mark {mark}",
+        ]
+        filter_rules = plan.filter_rules
+        if self.localhost_nodeports:
+            plan.filter_chains.append(f":{KUBELET_FIREWALL_CHAIN} - [0:0]")
+            filter_rules.append(
+                "-A KUBE-FIREWALL -m comment --comment \"block incoming localnet connections\""
+                " -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT"
+                " -j DROP"
+            )
+        active = plan.active_chains
+        chain_rule_count = 0
+        for sp in ports:
+            blk = self.block(sp, large)
+            filter_rules += blk.filter_rules
+            nat_rules += blk.nat_top_rules
+            active.update(blk.chains)
+            chain_rule_count += len(blk.chain_rules)
+            if rewrite is None or sp.name in rewrite:
+                plan.blocks.append(blk)
+                plan.rewritten.add(sp.name)
+        nat_rules += self._nodeports_tail()
+        plan.stale_chains = sorted(
+            c for c in existing_chains if names.is_service_chain(c) and c not in active
+        )
+        filter_rules += self._forward_rules()
+        plan.rules_total = {"filter": len(filter_rules), "nat": len(nat_rules) + chain_rule_count}
+        return plan
+
+    def _nodeports_tail(self) -> list[str]:
+        comment = '-m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain"'
+        ips = nodeport_ips(self.options, self.facts)
+        if ips is None:
+            dest = "-m addrtype --dst-type LOCAL"
+            if not self.localhost_nodeports:
+                dest += " ! -d 127.0.0.0/8"
+            return [f"-A KUBE-SERVICES {comment} {dest} -j KUBE-NODEPORTS"]
+        out = []
+        for ip in ips:
+            if ipaddress.ip_address(ip).is_loopback and not self.localhost_nodeports:
+                continue
+            out.append(f"-A KUBE-SERVICES {comment} -d {ip} -j KUBE-NODEPORTS")
+        return out
+
+    def _forward_rules(self) -> list[str]:
+        mark = self.mark
+        out = []
+        if not self.facts.tcp_be_liberal:
+            acct = ""
+            if CT_INVALID_COUNTER in self.facts.nfacct_counters:
+                acct = f" -m nfacct --nfacct-name {CT_INVALID_COUNTER}"
+            out.append(f"-A KUBE-FORWARD -m conntrack --ctstate INVALID{acct} -j DROP")
+        out.append(
+            f"-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\""
+            f" -m mark --mark {mark}/{mark} -j ACCEPT"
+        )
+        out.append(
+            "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\""
+            " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+        )
+        return out
+
+    # --- one service port ------------------------------------------------------------------
+
+    def _build_block(self, sp: ServicePort, large: bool) -> ServiceBlock:
+        name = str(sp.name)
+        proto = sp.protocol.lower
+        match = f"-m {proto} -p {proto}"
+        suffix = names.port_proto_hash(sp.name)
+        svc_chain = names.SVC_PREFIX + suffix
+        svl_chain = names.SVL_PREFIX + suffix
+        ext_chain = names.EXT_PREFIX + suffix
+        fw_chain = names.FW_PREFIX + suffix
+
+        has_endpoints = sp.any_endpoints
+        has_internal = sp.has_internal_endpoints
+        has_external = sp.has_external_endpoints
+        uses_cluster_chain = bool(sp.cluster_endpoints) and sp.uses_cluster_endpoints
+        uses_local_chain = bool(sp.local_endpoints) and sp.uses_local_endpoints
+        internal_chain = svl_chain if sp.internal_policy_local else svc_chain
+        external_policy_chain = svl_chain if sp.external_policy_local else svc_chain
+        uses_ext_chain = has_endpoints and sp.is_external
+        uses_fw_chain = has_endpoints and bool(sp.load_balancer_ips) and bool(sp.load_balancer_source_ranges)
+        lb_chain = fw_chain if uses_fw_chain else ext_chain
+
+        if not has_endpoints:
+            int_target, int_comment = "REJECT", f'"{name} has no endpoints"'
+            ext_target, ext_comment = "REJECT", int_comment
+        else:
+            int_target, int_comment = "ACCEPT", ""
+            ext_target, ext_comment = "ACCEPT", ""
+            if not has_internal:
+                int_target, int_comment = "DROP", f'"{name} has no local endpoints"'
+            if not has_external:
+                ext_target, ext_comment = "DROP", f'"{name} has no local endpoints"'
+
+        filt: list[str] = []
+        top: list[str] = []
+        cip = f"-d {sp.cluster_ip} --dport {sp.port}"
+        if has_internal:
+            top.append(f'-A KUBE-SERVICES -m comment --comment "{name} cluster IP" {match} {cip} -j {internal_chain}')
+        else:
+            filt.append(f"-A KUBE-SERVICES -m comment --comment {int_comment} {match} {cip} -j {int_target}")
+
+        for ip in sp.external_ips:
+            dst = f"-d {ip} --dport {sp.port}"
+            if has_endpoints:
+                top.append(f'-A KUBE-SERVICES -m comment --comment "{name} external IP" {match} {dst} -j {ext_chain}')
+            if not has_external:
+                filt.append(f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment} {match} {dst} -j {ext_target}")
+
+        for ip in sp.load_balancer_ips:
+            dst = f"-d {ip} --dport {sp.port}"
+            if has_endpoints:
+                top.append(f'-A KUBE-SERVICES -m comment --comment "{name} loadbalancer IP" {match} {dst} -j {lb_chain}')
+            if uses_fw_chain:
+                filt.append(
+                    f'-A KUBE-PROXY-FIREWALL -m comment --comment "{name} traffic not accepted by {fw_chain}"'
+                    f" {match} {dst} -j DROP"
+                )
+        if not has_external:
+            for ip in sp.load_balancer_ips:
+                filt.append(
+                    f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment} {match}"
+                    f" -d {ip} --dport {sp.port} -j {ext_target}"
+                )
+
+        if sp.node_port:
+            if has_endpoints:
+                if self.localhost_nodeports and LOCALHOST_NODEPORTS_COUNTER in self.facts.nfacct_counters:
+                    top.append(
+                        f"-A KUBE-NODEPORTS -m comment --comment {name} {match} -d 127.0.0.0/8"
+                        f" --dport {sp.node_port} -m nfacct --nfacct-name {LOCALHOST_NODEPORTS_COUNTER}"
+                        f" -j {ext_chain}"
+                    )
+                top.append(f"-A KUBE-NODEPORTS -m comment --comment {name} {match} --dport {sp.node_port} -j {ext_chain}")
+            if not has_external:
+                filt.append(
+                    f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment} -m addrtype --dst-type LOCAL"
+                    f" {match} --dport {sp.node_port} -j {ext_target}"
+                )
+
+        if sp.health_check_node_port:
+            filt.append(
+                f'-A KUBE-NODEPORTS -m comment --comment "{name} health check node port"'
+                f" -m tcp -p tcp --dport {sp.health_check_node_port} -j ACCEPT"
+            )
+
+        if not has_endpoints:
+            return ServiceBlock(tuple(filt), tuple(top), (), ())
+
+        chains: list[str] = []
+        rules: list[str] = []
+        if has_internal:
+            base = f'-A {internal_chain} -m comment --comment "{name} cluster IP" {match} {cip}'
+            if self.options.masquerade_all:
+                rules.append(f"{base} -j KUBE-MARK-MASQ")
+            elif self.detector.implemented:
+                rules.append(f"{base} {self.detector.if_not_local} -j KUBE-MARK-MASQ")
+
+        if uses_ext_chain:
+            chains.append(ext_chain)
+            if not sp.external_policy_local:
+                rules.append(
+                    f'-A {ext_chain} -m comment --comment "masquerade traffic for {name} external destinations"'
+                    " -j KUBE-MARK-MASQ"
+                )
+            else:
+                if self.detector.implemented:
+                    rules.append(
+                        f'-A {ext_chain} -m comment --comment "pod traffic for {name} external destinations"'
+                        f" {self.detector.if_local} -j {svc_chain}"
+                    )
+                rules.append(
+                    f'-A {ext_chain} -m comment --comment "masquerade LOCAL traffic for {name} external'
+                    ' destinations" -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ'
+                )
+                rules.append(
+                    f'-A {ext_chain} -m comment --comment "route LOCAL traffic for {name} external'
+                    f' destinations" -m addrtype --src-type LOCAL -j {svc_chain}'
+                )
+            if has_external:
+                rules.append(f"-A {ext_chain} -j {external_policy_chain}")
+
+        if uses_fw_chain:
+            chains.append(fw_chain)
+            head = f'-A {fw_chain} -m comment --comment "{name} loadbalancer IP"'
+            allow_from_node = False
+            node_ips = [ipaddress.ip_address(ip) for ip in self.facts.node_ips[:1]]
+            for cidr in sp.load_balancer_source_ranges:
+                rules.append(f"{head} -s {cidr} -j {ext_chain}")
+                net = ipaddress.ip_network(cidr, strict=False)
+                if any(ip in net for ip in node_ips):
+                    allow_from_node = True
+            if allow_from_node:
+                for ip in sp.load_balancer_ips:
+                    rules.append(f"{head} -s {ip} -j {ext_chain}")
+            rules.append(
+                f'-A {fw_chain} -m comment --comment "other traffic to {name} will be dropped by'
+                ' KUBE-PROXY-FIREWALL"'
+            )
+
+        if uses_cluster_chain:
+            chains.append(svc_chain)
+            self._dispatch(rules, sp, svc_chain, sp.cluster_endpoints, large)
+        if uses_local_chain:
+            chains.append(svl_chain)
+            self._dispatch(rules, sp, svl_chain, sp.local_endpoints, large)
+
+        comment = "" if large else f"-m comment --comment {name} "
+        dnat = f"{match} -j DNAT --to-destination"
+        for ep in sp.reachable_endpoints:
+            sep = names.sep_chain(sp.name, ep)
+            chains.append(sep)
+            rules.append(f"-A {sep} {comment}-s {ep.ip} -j KUBE-MARK-MASQ")
+            if sp.affinity_timeout is not None:
+                rules.append(f"-A {sep} {comment}-m recent --name {sep} --set {dnat} {ep.addr}")
+            else:
+                rules.append(f"-A {sep} {comment}{dnat} {ep.addr}")
+        return ServiceBlock(tuple(filt), tuple(top), tuple(chains), tuple(rules))
+
+    def _dispatch(
+        self, rules: list[str], sp: ServicePort, chain: str, endpoints: tuple[Endpoint, ...], large: bool
+    ) -> None:
+        name = str(sp.name)
+        seps = [names.sep_chain(sp.name, ep) for ep in endpoints]
+
+        def comment(ep: Endpoint) -> str:
+            return "" if large else f'-m comment --comment "{name} -> {ep.addr}" '
+
+        if sp.affinity_timeout is not None:
+            for ep, sep in zip(endpoints, seps, strict=True):
+                rules.append(
+                    f"-A {chain} {comment(ep)}-m recent --name {sep} --rcheck --seconds"
+                    f" {sp.affinity_timeout} --reap -j {sep}"
+                )
+        n = len(endpoints)
+        for i, (ep, sep) in enumerate(zip(endpoints, seps, strict=True)):
+            if i < n - 1:
+                rules.append(
+                    f"-A {chain} {comment(ep)}-m statistic --mode random --probability"
+                    f" {probability(n - i)} -j {sep}"
+                )
+            else:
+                rules.append(f"-A {chain} {comment(ep)}-j {sep}")
+
+
+_PROBABILITIES: dict[int, str] = {}
+
+
+def probability(n: int) -> str:
+    """1/n the way upstream formats it (Go's %0.10f)."""
+    p = _PROBABILITIES.get(n)
+    if p is None:
+        p = _PROBABILITIES[n] = f"{1.0 / n:.10f}"
+    return p
+
+
+def render_full(snapshot: Snapshot, facts: NodeFacts, options: RuleOptions) -> str:
+    """The restore input of a full sync on a node with no stale chains."""
+    return IptablesRenderer(facts, options).plan(snapshot).text()

@@ -1,0 +1,96 @@
+"""Run kproxy itself on a lab node, as the demo, the kernel tests and the benchmarks do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kproxy.lab.topology import Lab
+
+
+class ProxyProcess:
+    """`kproxy run` inside the lab's node namespace, with its own state dir and log file."""
+
+    def __init__(
+        self,
+        lab: Lab,
+        source: Path,
+        *,
+        config: Path | None = None,
+        args: Sequence[str] = (),
+        workdir: Path,
+    ) -> None:
+        self.lab = lab
+        self.source = source
+        self.config = config
+        self.args = list(args)
+        self.workdir = workdir
+        self.state_dir = workdir / "state"
+        self.log_path = workdir / "kproxy.log"
+        self.proc: subprocess.Popen[Any] | None = None
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "kproxy.cli", "run", "--source", str(self.source)]
+        if self.config is not None:
+            argv += ["--config", str(self.config)]
+        argv += ["--state-dir", str(self.state_dir), "--node-ip", self.lab.node_ip, *self.args]
+        return argv
+
+    def start(self, *, wait: bool = True, timeout: float = 20.0) -> ProxyProcess:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        previous = self.status().get("syncs", 0) if self.status_path.exists() else 0
+        log = self.log_path.open("a")
+        self.proc = self.lab.spawn(self.lab.node_ns, self.argv(), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        if wait:
+            self.wait_synced(after=previous if self.status().get("pid") == self.proc.pid else 0, timeout=timeout)
+        return self
+
+    @property
+    def status_path(self) -> Path:
+        return self.state_dir / "status.json"
+
+    def status(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def wait_synced(self, *, after: int = 0, timeout: float = 20.0) -> dict[str, Any]:
+        """Wait until this process has completed more than `after` syncs."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status()
+            if self.proc is not None and st.get("pid") == self.proc.pid and st.get("syncs", 0) > after:
+                return st
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"kproxy exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"kproxy did not sync within {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """kill -9, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()

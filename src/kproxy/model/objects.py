@@ -1,0 +1,184 @@
+"""The immutable per-node view of Services and endpoints that every proxy mode consumes.
+
+These types are the contract between the object parser (model.parse / model.snapshot) and
+the dataplanes, inspectors and doctor. They are frozen so that a snapshot can be shared
+between threads and compared cheaply: a service port whose value did not change between two
+snapshots needs no new rules (that is how partial syncs find their work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Protocol(StrEnum):
+    TCP = "TCP"
+    UDP = "UDP"
+    SCTP = "SCTP"
+
+    @property
+    def lower(self) -> str:
+        return self.value.lower()
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServicePortName:
+    """Upstream's ServicePortName: "ns/name" plus ":port" when the port is named."""
+
+    namespace: str
+    name: str
+    port: str = ""
+    protocol: Protocol = Protocol.TCP
+
+    def __str__(self) -> str:
+        base = f"{self.namespace}/{self.name}"
+        return f"{base}:{self.port}" if self.port else base
+
+    @property
+    def service(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Endpoint:
+    """One backend address of a service port, with the conditions upstream uses."""
+
+    ip: str
+    port: int
+    node_name: str = ""
+    zone: str = ""
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    is_local: bool = False
+    zone_hints: frozenset[str] = field(default_factory=frozenset)
+    node_hints: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def addr(self) -> str:
+        """ip:port the way Go's net.JoinHostPort writes it (brackets for IPv6)."""
+        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    """One port of one Service as seen from this node, with its endpoints categorised.
+
+    `endpoints` holds every usable endpoint (de-duplicated, sorted by "ip:port" like upstream);
+    `cluster_endpoints` and `local_endpoints` are what traffic with Cluster resp. Local policy
+    may use, after upstream's ready -> serving-terminating fallback and topology filtering.
+    """
+
+    name: ServicePortName
+    cluster_ip: str
+    port: int
+    protocol: Protocol
+    target_port: int | str = 0
+    node_port: int = 0
+    external_ips: tuple[str, ...] = ()
+    load_balancer_ips: tuple[str, ...] = ()
+    load_balancer_source_ranges: tuple[str, ...] = ()
+    health_check_node_port: int = 0
+    # None: no session affinity; otherwise ClientIP affinity with this timeout (seconds).
+    affinity_timeout: int | None = None
+    external_policy_local: bool = False
+    internal_policy_local: bool = False
+    annotations: tuple[tuple[str, str], ...] = ()
+    endpoints: tuple[Endpoint, ...] = ()
+    cluster_endpoints: tuple[Endpoint, ...] = ()
+    local_endpoints: tuple[Endpoint, ...] = ()
+    # Every endpoint some rule may DNAT to (cluster + local, merged and sorted).
+    reachable_endpoints: tuple[Endpoint, ...] = ()
+    # Upstream's hasAnyEndpoints: some ready or serving-terminating endpoint exists anywhere.
+    any_endpoints: bool = False
+
+    @property
+    def is_external(self) -> bool:
+        """True when the port has any externally reachable destination."""
+        return bool(self.node_port or self.external_ips or self.load_balancer_ips)
+
+    @property
+    def uses_cluster_endpoints(self) -> bool:
+        # Pod-to-external-destination traffic always uses Cluster policy (upstream rule).
+        return self.is_external or not self.internal_policy_local
+
+    @property
+    def uses_local_endpoints(self) -> bool:
+        return self.internal_policy_local or (self.is_external and self.external_policy_local)
+
+    @property
+    def has_internal_endpoints(self) -> bool:
+        """Traffic to the ClusterIP has somewhere to go (else REJECT or, for Local, DROP)."""
+        if self.internal_policy_local:
+            return bool(self.local_endpoints)
+        return self.any_endpoints
+
+    @property
+    def has_external_endpoints(self) -> bool:
+        if self.external_policy_local:
+            return bool(self.local_endpoints)
+        return self.any_endpoints
+
+    @property
+    def internal_endpoints(self) -> tuple[Endpoint, ...]:
+        return self.local_endpoints if self.internal_policy_local else self.cluster_endpoints
+
+    @property
+    def external_endpoints(self) -> tuple[Endpoint, ...]:
+        return self.local_endpoints if self.external_policy_local else self.cluster_endpoints
+
+    def annotation(self, key: str, default: str = "") -> str:
+        for k, v in self.annotations:
+            if k == key:
+                return v
+        return default
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """An object (or part of one) that was skipped as invalid."""
+
+    kind: str
+    namespace: str
+    name: str
+    field: str
+    reason: str
+
+    def __str__(self) -> str:
+        who = f"{self.namespace}/{self.name}" if self.namespace else self.name
+        return f"{self.kind} {who}: {self.field}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What the proxy needs to know about its own Node object."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...] = ()
+    addresses: tuple[str, ...] = ()
+    pod_cidrs: tuple[str, ...] = ()
+
+    @property
+    def zone(self) -> str:
+        for k, v in self.labels:
+            if k == "topology.kubernetes.io/zone":
+                return v
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything one sync programs: service ports keyed and ordered by name."""
+
+    node: NodeInfo
+    services: dict[ServicePortName, ServicePort]
+    rejections: tuple[Rejection, ...] = ()
+    # Newest endpoints.kubernetes.io/last-change-trigger-time seen per service ("ns/name").
+    trigger_times: dict[str, float] = field(default_factory=dict)
+
+    def __hash__(self) -> int:  # dict fields make the default unhashable; identity is enough
+        return id(self)
+
+    def sorted_ports(self) -> list[ServicePort]:
+        return [self.services[k] for k in sorted(self.services)]

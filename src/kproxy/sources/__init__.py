@@ -1,0 +1,1 @@
+"""Where Kubernetes objects come from (files now, the API server later)."""

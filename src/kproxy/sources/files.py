@@ -1,0 +1,431 @@
+"""Objects from a YAML/JSON file or a folder of them, watched by polling.
+
+Polling (stat signature plus content hash) is used instead of inotify because it works the
+same on every filesystem, including bind mounts and ConfigMap volumes whose files are
+swapped through symlinks, and because it needs no dependency.
+
+While watching, a change is acted on only once it has been seen on two consecutive polls (the
+same new content, or the file still gone), so a write or an editor's save caught half way
+never turns into deleted objects. That costs one poll of latency.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kproxy.sources.base import KINDS, NODE, EventSink, ObjectEvent, ObjectKey
+
+logger = logging.getLogger("kproxy.sources.files")
+
+SUFFIXES = (".yaml", ".yml", ".json")
+
+# A file modified this recently may be modified again without its stat signature changing
+# (coarse mtime granularity, same size), so it is re-hashed until it has been quiet this long.
+_RACY_NS = 2_000_000_000
+
+# How long stop() waits for the watcher; a sink blocked forever must not hang shutdown.
+_JOIN_TIMEOUT = 10.0
+
+_Objects = dict[ObjectKey, dict[str, Any]]
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """Safe loader that keeps timestamps as strings, as Kubernetes' own YAML decoding does,
+    so objects stay plain JSON-compatible data."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+class _FileError(Exception):
+    """A whole file could not be read or parsed; str() names the file and line."""
+
+
+@dataclass
+class _ParsedFile:
+    objects: _Objects
+    problems: list[str]  # documents that were skipped, with the reason
+
+
+def _is_candidate(name: str) -> bool:
+    """Whether a file name found in a folder is one of ours (not hidden, not an editor temp)."""
+    if name.startswith((".", "#")) or name.endswith(("~", ".swp", ".swx", "#")):
+        return False
+    return name.lower().endswith(SUFFIXES)
+
+
+def discover(root: Path) -> list[Path]:
+    """The files to read under root, in the order that decides which duplicate wins."""
+    if not root.is_dir():
+        return [root] if root.exists() else []
+    found: list[Path] = []
+    seen_dirs: set[tuple[int, int]] = set()
+    # Symlinked folders are followed (ConfigMap-style layouts), with a guard against loops.
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        try:
+            st = os.stat(dirpath)
+        except OSError:
+            dirnames[:] = []
+            continue
+        if (st.st_dev, st.st_ino) in seen_dirs:
+            dirnames[:] = []
+            continue
+        seen_dirs.add((st.st_dev, st.st_ino))
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found.extend(Path(dirpath, f) for f in filenames if _is_candidate(f))
+    return sorted(found)
+
+
+def _line_of(err: yaml.YAMLError) -> int | None:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    return None if mark is None else mark.line + 1
+
+
+def _load_documents(text: str, path: Path) -> list[Any]:
+    if path.suffix.lower() == ".json":
+        try:
+            return [json.loads(text)]
+        except json.JSONDecodeError as e:
+            raise _FileError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+    try:
+        return list(yaml.load_all(text, Loader=_Loader))
+    except yaml.YAMLError as e:
+        line = _line_of(e)
+        where = f"{path}:{line}" if line is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise _FileError(f"{where}: invalid YAML: {problem}") from e
+
+
+def _expand(doc: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """Flatten Lists (kind List, ServiceList, a bare sequence) into single objects."""
+    if isinstance(doc, list):
+        for i, item in enumerate(doc):
+            yield from _expand(item, f"{where}, item {i}")
+        return
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    if not (isinstance(kind, str) and kind.endswith("List") and isinstance(doc.get("items"), list)):
+        yield where, doc
+        return
+    # `kubectl get -o yaml` of one kind prints a typed list whose items may omit kind and
+    # apiVersion; the list's own values are what they would have been.
+    item_kind = kind[: -len("List")]
+    for i, item in enumerate(doc["items"]):
+        if isinstance(item, dict) and item_kind and "kind" not in item:
+            item = {"kind": item_kind, **item}
+            if "apiVersion" in doc and "apiVersion" not in item:
+                item = {"apiVersion": doc["apiVersion"], **item}
+        yield from _expand(item, f"{where}, items[{i}]")
+
+
+def _key_of(obj: dict[str, Any]) -> ObjectKey | str:
+    """The object's key, or why it has none."""
+    kind = obj["kind"]
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        return f"{kind} has no metadata"
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        return f"{kind} has no metadata.name"
+    if kind == NODE:  # cluster-scoped: a stray namespace must not split its identity
+        return ObjectKey(kind, "", name)
+    namespace = meta.get("namespace") or "default"
+    if not isinstance(namespace, str):
+        return f"{kind} {name}: metadata.namespace is not a string"
+    return ObjectKey(kind, namespace, name)
+
+
+def _parse_text(text: str, path: Path) -> _ParsedFile:
+    """Objects in one file's text; raises _FileError when the file as a whole is unreadable."""
+    objects: _Objects = {}
+    problems: list[str] = []
+    for n, doc in enumerate(_load_documents(text, path), start=1):
+        for where, obj in _expand(doc, f"document {n}"):
+            if obj is None:
+                continue
+            if not isinstance(obj, dict):
+                problems.append(f"{path} ({where}): skipped: not an object")
+                continue
+            kind = obj.get("kind")
+            if not isinstance(kind, str) or not kind:
+                problems.append(f"{path} ({where}): skipped: no kind")
+                continue
+            if kind not in KINDS:
+                logger.debug("%s (%s): ignoring kind %s", path, where, kind)
+                continue
+            key = _key_of(obj)
+            if isinstance(key, str):
+                problems.append(f"{path} ({where}): skipped: {key}")
+                continue
+            if key in objects:
+                problems.append(f"{path} ({where}): {key} appears again; the later one wins")
+            objects[key] = obj
+    return _ParsedFile(objects, problems)
+
+
+def _parse_file(path: Path) -> _ParsedFile:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise _FileError(f"{path}: cannot read: {e.strerror or e}") from e
+    return _parse_bytes(data, path)
+
+
+def _parse_bytes(data: bytes, path: Path) -> _ParsedFile:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise _FileError(f"{path}: not UTF-8 text (byte {e.start})") from e
+    return _parse_text(text, path)
+
+
+def _merge(
+    per_file: list[tuple[Path, _Objects]],
+) -> tuple[_Objects, dict[ObjectKey, tuple[Path, ...]]]:
+    """Union of all files, later paths winning; also every key defined by more than one file."""
+    merged: _Objects = {}
+    owners: dict[ObjectKey, list[Path]] = {}
+    for path, objects in sorted(per_file, key=lambda pf: pf[0]):
+        for key, obj in objects.items():
+            merged[key] = obj
+            owners.setdefault(key, []).append(path)
+    dups = {key: tuple(paths) for key, paths in owners.items() if len(paths) > 1}
+    return merged, dups
+
+
+def _duplicate_message(key: ObjectKey, paths: tuple[Path, ...]) -> str:
+    names = ", ".join(str(p) for p in paths)
+    return f"{key} is defined in several files ({names}); using {paths[-1]}"
+
+
+def _require(path: Path) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"object path {str(path)!r} does not exist (file or folder)")
+
+
+def load_path(path: str | Path) -> tuple[dict[ObjectKey, dict[str, Any]], list[str]]:
+    """Read a file or folder once: the objects and every problem found (files that failed to
+    parse, skipped documents, duplicate keys). Raises FileNotFoundError if path is missing."""
+    root = Path(path)
+    _require(root)
+    per_file: list[tuple[Path, _Objects]] = []
+    errors: list[str] = []
+    for p in discover(root):
+        try:
+            result = _parse_file(p)
+        except FileNotFoundError:
+            continue  # removed while we were listing
+        except _FileError as e:
+            errors.append(str(e))
+            continue
+        errors.extend(result.problems)
+        per_file.append((p, result.objects))
+    merged, dups = _merge(per_file)
+    errors.extend(_duplicate_message(k, ps) for k, ps in dups.items())
+    return merged, errors
+
+
+@dataclass
+class _FileState:
+    sig: tuple[int, int, int, int] | None = None  # (mtime_ns, ctime_ns, size, inode)
+    checked_ns: int = 0  # wall time of the read that produced digest
+    digest: bytes | None = None  # of the content objects/error came from
+    pending: bytes | None = None  # new content seen once, applied if seen again unchanged
+    objects: _Objects = field(default_factory=dict)  # last good content
+    error: str | None = None
+    missing: bool = False
+
+
+class FileSource:
+    """A Source over a YAML/JSON file or a folder of them (recursive).
+
+    start() delivers every object in one batch, then a daemon thread polls every
+    poll_interval seconds and delivers one batch of differences per change. A file that
+    stops parsing keeps its last good objects (counted in parse_errors / last_error); a
+    removed file's objects are deleted; a key defined in several files comes from the last
+    one in path order.
+    """
+
+    def __init__(self, path: str | Path, poll_interval: float = 0.25) -> None:
+        self.path = Path(path)
+        self.poll_interval = poll_interval
+        self.parse_errors = 0
+        self.last_error: str | None = None
+        self._states: dict[Path, _FileState] = {}
+        self._view: _Objects = {}
+        self._dups: dict[ObjectKey, tuple[Path, ...]] = {}
+        self._sink: EventSink | None = None
+        self._synced = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def synced(self) -> bool:
+        return self._synced
+
+    @property
+    def current_errors(self) -> dict[Path, str]:
+        """Files failing right now (their last good objects are still served)."""
+        # list() first: the watcher thread may be adding or removing files meanwhile.
+        return {p: s.error for p, s in list(self._states.items()) if s.error is not None}
+
+    def start(self, sink: EventSink) -> None:
+        if self._thread is not None:
+            raise RuntimeError("FileSource already started")
+        _require(self.path)
+        self._sink = sink
+        self._poll()
+        initial = [ObjectEvent(k, copy.deepcopy(o)) for k, o in self._view.items()]
+        self._deliver(initial)
+        self._synced = True
+        self._thread = threading.Thread(
+            target=self._run, name=f"file-source:{self.path}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(_JOIN_TIMEOUT)
+        if thread.is_alive():
+            logger.warning("file watcher for %s did not stop within %.0fs", self.path,
+                           _JOIN_TIMEOUT)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            try:
+                batch = self._poll()
+            except Exception:
+                logger.exception("watching %s failed; retrying", self.path)
+                continue
+            if batch:
+                self._deliver(batch)
+
+    def _deliver(self, batch: list[ObjectEvent]) -> None:
+        assert self._sink is not None
+        try:
+            self._sink(batch)
+        except Exception:
+            # The view has already moved on: re-sending the same batch would most likely fail
+            # the same way, and a stuck source is worse than one lost update.
+            logger.exception("object sink failed on a batch of %d events from %s",
+                             len(batch), self.path)
+
+    def _poll(self) -> list[ObjectEvent]:
+        """Re-read what changed on disk; the events turning the old view into the new one."""
+        found = discover(self.path)
+        changed = False
+        for p in set(self._states) - set(found):
+            changed |= self._gone(p)
+        for p in found:
+            changed |= self._refresh(p)
+        if not changed:
+            return []
+        new_view, dups = _merge([(p, s.objects) for p, s in self._states.items()])
+        for key, paths in dups.items():
+            if self._dups.get(key) != paths:
+                logger.warning("%s", _duplicate_message(key, paths))
+        self._dups = dups
+        events = [
+            ObjectEvent(k, copy.deepcopy(o))
+            for k, o in new_view.items()
+            if self._view.get(k) != o
+        ]
+        events.extend(ObjectEvent(k, None) for k in self._view if k not in new_view)
+        self._view = new_view
+        return events
+
+    def _gone(self, path: Path) -> bool:
+        """A file vanished. Its objects are dropped only if it is still gone on the next poll,
+        because some editors move the old file away before writing the new one."""
+        state = self._states[path]
+        if not state.missing:
+            state.missing = True
+            return False
+        del self._states[path]
+        return bool(state.objects)
+
+    def _refresh(self, path: Path) -> bool:
+        """Bring one file's state up to date; True if its objects changed."""
+        state = self._states.get(path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return self._gone(path) if state is not None else False
+        except OSError as e:
+            state = self._states.setdefault(path, _FileState())
+            state.missing, state.sig, state.digest, state.pending = False, None, None, None
+            message = f"{path}: cannot stat: {e.strerror or e}"
+            # Nothing like a signature to tell a new failure from the same one: compare text.
+            return False if state.error == message else self._failed(state, message)
+        if state is None:
+            state = self._states[path] = _FileState()
+        state.missing = False
+        sig = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+        quiet = st.st_mtime_ns + _RACY_NS < state.checked_ns
+        if state.pending is None and state.sig == sig and quiet:
+            return False
+        now = time.time_ns()
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return self._gone(path)
+        except OSError as e:
+            # Forget the digest so that the same good content, once readable, clears the error.
+            state.sig, state.checked_ns, state.digest, state.pending = sig, now, None, None
+            return self._failed(state, f"{path}: cannot read: {e.strerror or e}")
+        state.sig, state.checked_ns = sig, now
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if digest == state.digest:
+            state.pending = None
+            return False
+        if self._synced and digest != state.pending:
+            # A writer that truncates and rewrites in place can be caught half way, and half a
+            # YAML file often still parses, minus the objects after the cut: deleting those
+            # would be an outage. So content is used only once it is the same on two polls.
+            state.pending = digest
+            return False
+        state.digest, state.pending = digest, None
+        try:
+            result = _parse_bytes(data, path)
+        except _FileError as e:
+            return self._failed(state, str(e))
+        for problem in result.problems:
+            logger.warning("%s", problem)
+        if state.error is not None:
+            logger.info("%s is valid again", path)
+        state.error = None
+        if result.objects == state.objects:
+            return False
+        state.objects = result.objects
+        return True
+
+    def _failed(self, state: _FileState, message: str) -> bool:
+        """Record a new failure of a file; its last good objects stay in force."""
+        self.parse_errors += 1
+        self.last_error = message
+        state.error = message
+        if state.objects:
+            kept = f"keeping its last good {len(state.objects)} object(s)"
+        else:
+            kept = "it contributes no objects"
+        logger.warning("%s (%s)", message, kept)
+        return False

@@ -1,0 +1,213 @@
+"""The one sync loop for every mode: source events -> tracker -> bounded runner -> dataplane.
+
+Policy (upstream's, see reference §1.7 and §6): the first sync after start is full (it
+adopts whatever rules are there and converges, without flushing anything); later syncs are
+partial unless the previous one failed, the last full sync is older than full_sync_period,
+or the dataplane reports drift. A failed apply keeps the last good rules in the kernel and
+is retried after sync_period. Nothing is flushed on exit: the dataplane outlives us.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kproxy.dataplane.base import Dataplane, SyncError, SyncResult
+from kproxy.model.objects import Protocol, ServicePort, ServicePortName, Snapshot
+from kproxy.model.snapshot import ChangeTracker
+from kproxy.runner import BoundedFrequencyRunner
+from kproxy.sources.base import ObjectEvent, Source
+
+log = logging.getLogger("kproxy.sync")
+
+FULL_SYNC_PERIOD = 3600.0
+
+
+@dataclass
+class SyncStatus:
+    """What the loop knows about itself (for status, health and metrics)."""
+
+    syncs: int = 0
+    full_syncs: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    last_sync: float | None = None
+    last_full_sync: float | None = None
+    last_duration: float | None = None
+    last_result: SyncResult | None = None
+    last_error: str | None = None
+    last_queued: float | None = None
+    conntrack_deleted: int = 0
+    invalid_objects: int = 0
+    history: list[tuple[float, bool, float]] = field(default_factory=list)  # (when, full, secs)
+
+
+UdpCleaner = Callable[[dict[tuple[str, int], set[str]], dict[int, set[str]]], int]
+
+
+class ProxyLoop:
+    def __init__(
+        self,
+        tracker: ChangeTracker,
+        dataplane: Dataplane,
+        *,
+        min_sync_period: float,
+        sync_period: float,
+        full_sync_period: float = FULL_SYNC_PERIOD,
+        udp_cleaner: UdpCleaner | None = None,
+        on_synced: Callable[[Snapshot, SyncResult], None] | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.dataplane = dataplane
+        self.sync_period = sync_period
+        self.full_sync_period = full_sync_period
+        self.udp_cleaner = udp_cleaner
+        self.on_synced = on_synced
+        self.status = SyncStatus()
+        self._lock = threading.Lock()
+        self._force_full = True
+        self._applied: Snapshot | None = None
+        self._applied_generation = -1
+        self.runner = BoundedFrequencyRunner(
+            "sync",
+            self.sync_once,
+            min_interval=min_sync_period,
+            max_interval=sync_period,
+            retry_interval=sync_period,
+        )
+
+    # --- wiring ------------------------------------------------------------------------------
+
+    def on_events(self, events: Sequence[ObjectEvent]) -> None:
+        """The source sink: fold events in and ask for a sync if anything changed."""
+        if self.tracker.apply(events):
+            self.status.last_queued = time.time()
+            self.runner.run()
+
+    def start(self, source: Source) -> None:
+        """Deliver the source's initial objects, run the first (full) sync, keep syncing."""
+        source.start(self.on_events)
+        self.sync_once()
+        self.runner.start()
+
+    def stop(self) -> None:
+        self.runner.stop(timeout=30)
+
+    def request_full_sync(self) -> None:
+        self._force_full = True
+        self.runner.run()
+
+    @property
+    def applied_snapshot(self) -> Snapshot | None:
+        return self._applied
+
+    @property
+    def pending(self) -> bool:
+        return self.tracker.generation != self._applied_generation
+
+    # --- one sync ----------------------------------------------------------------------------
+
+    def sync_once(self) -> bool:
+        with self._lock:
+            generation = self.tracker.generation
+            snapshot = self.tracker.snapshot()
+            now = time.time()
+            full = (
+                self._force_full
+                or self.status.last_full_sync is None
+                or now - self.status.last_full_sync >= self.full_sync_period
+            )
+            started = time.monotonic()
+            try:
+                result = self.dataplane.sync(snapshot, full=full)
+            except SyncError as err:
+                self._record_failure(str(err))
+                return False
+            except Exception as err:  # a bug must not kill the loop; keep the last good rules
+                log.exception("sync failed unexpectedly")
+                self._record_failure(f"{type(err).__name__}: {err}")
+                return False
+            took = time.monotonic() - started
+            previous = self._applied
+            self._applied = snapshot
+            self._applied_generation = generation
+            self._force_full = False
+            st = self.status
+            st.syncs += 1
+            st.consecutive_failures = 0
+            st.last_sync = time.time()
+            st.last_duration = took
+            st.last_result = result
+            st.last_error = None
+            st.invalid_objects = len(snapshot.rejections)
+            st.history = [*st.history[-499:], (st.last_sync, result.full, took)]
+            if result.full:
+                st.full_syncs += 1
+                st.last_full_sync = st.last_sync
+            log.info(
+                "%s sync: %d service ports, %d rewritten, %d stale chains removed, %.3f s",
+                "full" if result.full else "partial",
+                result.services,
+                result.rewritten,
+                result.stale_removed,
+                took,
+            )
+            self._clean_udp_conntrack(previous, snapshot)
+            if self.on_synced is not None:
+                self.on_synced(snapshot, result)
+            return True
+
+    def _record_failure(self, message: str) -> None:
+        st = self.status
+        st.failures += 1
+        st.consecutive_failures += 1
+        st.last_error = message
+        self._force_full = True
+        log.error("sync failed (keeping the last good rules, retry in %.0f s): %s", self.sync_period, message)
+
+    def _clean_udp_conntrack(self, previous: Snapshot | None, current: Snapshot) -> None:
+        if self.udp_cleaner is None or not udp_endpoints_changed(previous, current):
+            return
+        service_ips, node_ports = udp_serving_map(current)
+        try:
+            deleted = self.udp_cleaner(service_ips, node_ports)
+        except Exception as err:
+            log.warning("stale UDP conntrack cleanup failed: %s", err)
+            return
+        self.status.conntrack_deleted += deleted
+        if deleted:
+            log.info("deleted %d stale UDP conntrack entries", deleted)
+
+
+def _udp_ports(snapshot: Snapshot | None) -> dict[ServicePortName, ServicePort]:
+    if snapshot is None:
+        return {}
+    return {n: sp for n, sp in snapshot.services.items() if sp.protocol is Protocol.UDP}
+
+
+def udp_endpoints_changed(previous: Snapshot | None, current: Snapshot) -> bool:
+    """Did any UDP service port lose (or change) endpoints? Only then can entries go stale."""
+    if previous is None:
+        return True  # after a restart, entries may point at endpoints removed while we were down
+    old, new = _udp_ports(previous), _udp_ports(current)
+    for name, sp in old.items():
+        other = new.get(name)
+        if other is None or other.endpoints != sp.endpoints or other.cluster_ip != sp.cluster_ip:
+            return True
+    return False
+
+
+def udp_serving_map(snapshot: Snapshot) -> tuple[dict[tuple[str, int], set[str]], dict[int, set[str]]]:
+    """(service ip, port) -> serving endpoint IPs, and node port -> serving endpoint IPs."""
+    service_ips: dict[tuple[str, int], set[str]] = {}
+    node_ports: dict[int, set[str]] = {}
+    for sp in _udp_ports(snapshot).values():
+        serving = {e.ip for e in sp.endpoints if e.serving}
+        for ip in (sp.cluster_ip, *sp.external_ips, *sp.load_balancer_ips):
+            service_ips.setdefault((ip, sp.port), set()).update(serving)
+        if sp.node_port:
+            node_ports.setdefault(sp.node_port, set()).update(serving)
+    return service_ips, node_ports

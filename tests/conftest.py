@@ -1,0 +1,40 @@
+"""Shared fixtures. The lab fixtures build real network namespaces (see kproxy.lab.topology)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kproxy.lab.topology import Lab, lab_supported
+
+LAB_SUPPORTED, LAB_SKIP_REASON = lab_supported()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Kernel tests need root and iproute2; elsewhere they are skipped with the reason shown.
+    if LAB_SUPPORTED:
+        return
+    skip = pytest.mark.skip(reason=f"kernel test: {LAB_SKIP_REASON}")
+    for item in items:
+        if "kernel" in item.keywords:
+            item.add_marker(skip)
+
+
+def _lab() -> Iterator[Lab]:
+    if not LAB_SUPPORTED:
+        pytest.skip(f"lab unavailable: {LAB_SKIP_REASON}")
+    with Lab(pods=3) as lab:
+        yield lab
+
+
+@pytest.fixture
+def lab() -> Iterator[Lab]:
+    """A fresh lab (3 pods, 2 clients) per test, torn down afterwards even on failure."""
+    yield from _lab()
+
+
+@pytest.fixture(scope="module")
+def lab_module() -> Iterator[Lab]:
+    """One lab shared by a test module; tests must not leave dataplane state behind."""
+    yield from _lab()
