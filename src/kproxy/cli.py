@@ -56,28 +56,45 @@ def setup_logging(verbosity: int) -> None:
 # --- options shared by run and render -----------------------------------------------------------
 
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", help="KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1).")
+    Path | None,
+    typer.Option(
+        "--config", help="KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1)."
+    ),
 ]
 ModeOpt = Annotated[
     str | None,
-    typer.Option("--proxy-mode", help="iptables, nftables, ipvs or userspace (default iptables). Never falls back."),
+    typer.Option(
+        "--proxy-mode",
+        help="iptables, nftables, ipvs or userspace (default iptables). Never falls back.",
+    ),
 ]
 SourceOpt = Annotated[
     Path,
-    typer.Option("--source", help="A YAML/JSON file or folder of Services, EndpointSlices and Nodes; watched."),
+    typer.Option(
+        "--source",
+        help="A YAML/JSON file or folder of Services, EndpointSlices and Nodes; watched.",
+    ),
 ]
 HostOpt = Annotated[
-    str | None, typer.Option("--hostname-override", help="The node name (default: this machine's hostname).")
+    str | None,
+    typer.Option("--hostname-override", help="The node name (default: this machine's hostname)."),
 ]
-CidrOpt = Annotated[str | None, typer.Option("--cluster-cidr", help="The pods' CIDR (local-traffic detection).")]
+CidrOpt = Annotated[
+    str | None, typer.Option("--cluster-cidr", help="The pods' CIDR (local-traffic detection).")
+]
 MasqOpt = Annotated[
-    bool | None, typer.Option("--masquerade-all/--no-masquerade-all", help="SNAT all traffic to services.")
+    bool | None,
+    typer.Option("--masquerade-all/--no-masquerade-all", help="SNAT all traffic to services."),
 ]
-SyncOpt = Annotated[str | None, typer.Option("--iptables-sync-period", help="Max time between syncs, e.g. 30s.")]
+SyncOpt = Annotated[
+    str | None, typer.Option("--iptables-sync-period", help="Max time between syncs, e.g. 30s.")
+]
 MinSyncOpt = Annotated[
     str | None, typer.Option("--iptables-min-sync-period", help="Min time between syncs, e.g. 1s.")
 ]
-MarkOpt = Annotated[int | None, typer.Option("--iptables-masquerade-bit", help="fwmark bit for SNAT (0-31).")]
+MarkOpt = Annotated[
+    int | None, typer.Option("--iptables-masquerade-bit", help="fwmark bit for SNAT (0-31).")
+]
 LocalhostOpt = Annotated[
     bool | None,
     typer.Option(
@@ -86,26 +103,44 @@ LocalhostOpt = Annotated[
     ),
 ]
 NodePortAddrOpt = Annotated[
-    str | None, typer.Option("--nodeport-addresses", help="Comma-separated CIDRs NodePorts answer on, or 'primary'.")
+    str | None,
+    typer.Option(
+        "--nodeport-addresses", help="Comma-separated CIDRs NodePorts answer on, or 'primary'."
+    ),
 ]
 DetectOpt = Annotated[
     str | None,
-    typer.Option("--detect-local-mode", help="ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix."),
+    typer.Option(
+        "--detect-local-mode", help="ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix."
+    ),
 ]
-BridgeOpt = Annotated[str | None, typer.Option("--pod-bridge-interface", help="For --detect-local-mode BridgeInterface.")]
+BridgeOpt = Annotated[
+    str | None,
+    typer.Option("--pod-bridge-interface", help="For --detect-local-mode BridgeInterface."),
+]
 PrefixOpt = Annotated[
-    str | None, typer.Option("--pod-interface-name-prefix", help="For --detect-local-mode InterfaceNamePrefix.")
+    str | None,
+    typer.Option(
+        "--pod-interface-name-prefix", help="For --detect-local-mode InterfaceNamePrefix."
+    ),
 ]
-MetricsOpt = Annotated[str | None, typer.Option("--metrics-bind-address", help="ip:port of /metrics.")]
-HealthOpt = Annotated[str | None, typer.Option("--healthz-bind-address", help="ip:port of /healthz and /livez.")]
+MetricsOpt = Annotated[
+    str | None, typer.Option("--metrics-bind-address", help="ip:port of /metrics.")
+]
+HealthOpt = Annotated[
+    str | None, typer.Option("--healthz-bind-address", help="ip:port of /healthz and /livez.")
+]
 BackendOpt = Annotated[
     str,
     typer.Option("--iptables-backend", help="auto (detect like upstream), nft or legacy."),
 ]
 NodeIpOpt = Annotated[
-    list[str] | None, typer.Option("--node-ip", help="The node's primary IP (repeatable); default: detected.")
+    list[str] | None,
+    typer.Option("--node-ip", help="The node's primary IP (repeatable); default: detected."),
 ]
-VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, help="More logging (-v info, -vv debug).")]
+VerboseOpt = Annotated[
+    int, typer.Option("--verbose", "-v", count=True, help="More logging (-v info, -vv debug).")
+]
 
 
 def build_config(
@@ -166,11 +201,13 @@ def _iptables_flags(
     }
 
 
-def _backend(choice: str):  # noqa: ANN202 - returns IptablesBackend
+def _backend(choice: str):
     from kproxy.dataplane.iptables.backend import IptablesBackend, detect_backend
 
     if choice not in ("auto", "nft", "legacy"):
-        raise UserError(f"--iptables-backend: invalid value {choice!r}: must be auto, nft or legacy")
+        raise UserError(
+            f"--iptables-backend: invalid value {choice!r}: must be auto, nft or legacy"
+        )
     flavour = detect_backend() if choice == "auto" else choice
     return IptablesBackend(flavour)
 
@@ -211,18 +248,32 @@ def run(
     setup_logging(verbose)
     try:
         flags = _iptables_flags(
-            mode, hostname, cluster_cidr, masquerade_all, sync_period, min_sync_period, masquerade_bit,
-            localhost_nodeports, nodeport_addresses, detect_local_mode, bridge, prefix,
+            mode,
+            hostname,
+            cluster_cidr,
+            masquerade_all,
+            sync_period,
+            min_sync_period,
+            masquerade_bit,
+            localhost_nodeports,
+            nodeport_addresses,
+            detect_local_mode,
+            bridge,
+            prefix,
         )
         flags["metrics-bind-address"] = metrics_bind
         flags["healthz-bind-address"] = healthz_bind
-        config, ignored = build_config(config_path, flags)
-        if ignored:
-            log.warning("flags ignored because --config is given (as upstream): %s", ", ".join(ignored))
+        config, _ = build_config(config_path, flags)  # config.py logs the flags it ignores
         from kproxy.daemon import Daemon
 
-        daemon = Daemon(config, source=source, backend=_backend(backend), node_ips=tuple(node_ip or ()),
-                        state_dir=state_dir, node_name=_node_name(config))
+        daemon = Daemon(
+            config,
+            source=source,
+            backend=_backend(backend),
+            node_ips=tuple(node_ip or ()),
+            state_dir=state_dir,
+            node_name=_node_name(config),
+        )
         daemon.start()
     except UserError as err:
         raise fail(str(err)) from None
@@ -259,18 +310,28 @@ def render(
     node_ip: NodeIpOpt = None,
     local_address: Annotated[
         list[str] | None,
-        typer.Option("--local-address", help="An address on the node's interfaces (repeatable); default: detected."),
+        typer.Option(
+            "--local-address",
+            help="An address on the node's interfaces (repeatable); default: detected.",
+        ),
     ] = None,
     random_fully: Annotated[
         bool | None,
-        typer.Option("--random-fully/--no-random-fully", help="Whether MASQUERADE --random-fully is supported."),
+        typer.Option(
+            "--random-fully/--no-random-fully",
+            help="Whether MASQUERADE --random-fully is supported.",
+        ),
     ] = None,
     nfacct: Annotated[
-        list[str] | None, typer.Option("--nfacct-counter", help="An existing nfacct counter (repeatable).")
+        list[str] | None,
+        typer.Option("--nfacct-counter", help="An existing nfacct counter (repeatable)."),
     ] = None,
     tcp_be_liberal: Annotated[
         bool | None,
-        typer.Option("--tcp-be-liberal/--no-tcp-be-liberal", help="Whether nf_conntrack_tcp_be_liberal is set."),
+        typer.Option(
+            "--tcp-be-liberal/--no-tcp-be-liberal",
+            help="Whether nf_conntrack_tcp_be_liberal is set.",
+        ),
     ] = None,
     verbose: VerboseOpt = 0,
 ) -> None:
@@ -291,8 +352,18 @@ def render(
         config, _ = build_config(
             config_path,
             _iptables_flags(
-                mode, hostname, cluster_cidr, masquerade_all, None, None, masquerade_bit,
-                localhost_nodeports, nodeport_addresses, detect_local_mode, bridge, prefix,
+                mode,
+                hostname,
+                cluster_cidr,
+                masquerade_all,
+                None,
+                None,
+                masquerade_bit,
+                localhost_nodeports,
+                nodeport_addresses,
+                detect_local_mode,
+                bridge,
+                prefix,
             ),
         )
         try:
@@ -303,7 +374,9 @@ def render(
             typer.secho(f"kproxy: warning: {p}", err=True, fg=typer.colors.YELLOW)
         snapshot = snapshot_from_objects(objects.values(), _node_name(config))
         for rej in snapshot.rejections:
-            typer.secho(f"kproxy: warning: skipping invalid {rej}", err=True, fg=typer.colors.YELLOW)
+            typer.secho(
+                f"kproxy: warning: skipping invalid {rej}", err=True, fg=typer.colors.YELLOW
+            )
         facts = _render_facts(node_ip, local_address, random_fully, nfacct, tcp_be_liberal)
         sys.stdout.write(render_full(snapshot, facts, rule_options(config)))
     except UserError as err:
@@ -329,7 +402,9 @@ def _render_facts(
             log.info("could not detect node facts (%s); using defaults", err)
     return NodeFacts(
         node_ips=tuple(node_ip) if node_ip else detected.node_ips,
-        local_addresses=tuple(local_address) if local_address is not None else detected.local_addresses,
+        local_addresses=tuple(local_address)
+        if local_address is not None
+        else detected.local_addresses,
         random_fully=detected.random_fully if random_fully is None else random_fully,
         nfacct_counters=frozenset(nfacct) if nfacct is not None else detected.nfacct_counters,
         tcp_be_liberal=detected.tcp_be_liberal if tcp_be_liberal is None else tcp_be_liberal,
@@ -341,7 +416,9 @@ def _render_facts(
 
 @app.command()
 def cleanup(
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be removed, and why.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only list what would be removed, and why.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     verbose: VerboseOpt = 0,
 ) -> None:
@@ -361,7 +438,9 @@ def cleanup(
         except IptablesError as err:
             raise fail(f"cleanup of iptables-{flavour} failed: {err}", code=1) from None
     if as_json:
-        typer.echo(json.dumps({"dry_run": dry_run, "removed": [o.__dict__ for o in removed]}, indent=2))
+        typer.echo(
+            json.dumps({"dry_run": dry_run, "removed": [o.__dict__ for o in removed]}, indent=2)
+        )
         return
     verb = "would remove" if dry_run else "removed"
     if not removed:

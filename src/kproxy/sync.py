@@ -166,7 +166,11 @@ class ProxyLoop:
         st.consecutive_failures += 1
         st.last_error = message
         self._force_full = True
-        log.error("sync failed (keeping the last good rules, retry in %.0f s): %s", self.sync_period, message)
+        log.error(
+            "sync failed (keeping the last good rules, retry in %.0f s): %s",
+            self.sync_period,
+            message,
+        )
 
     def _clean_udp_conntrack(self, previous: Snapshot | None, current: Snapshot) -> None:
         if self.udp_cleaner is None or not udp_endpoints_changed(previous, current):
@@ -200,7 +204,9 @@ def udp_endpoints_changed(previous: Snapshot | None, current: Snapshot) -> bool:
     return False
 
 
-def udp_serving_map(snapshot: Snapshot) -> tuple[dict[tuple[str, int], set[str]], dict[int, set[str]]]:
+def udp_serving_map(
+    snapshot: Snapshot,
+) -> tuple[dict[tuple[str, int], set[str]], dict[int, set[str]]]:
     """(service ip, port) -> serving endpoint IPs, and node port -> serving endpoint IPs."""
     service_ips: dict[tuple[str, int], set[str]] = {}
     node_ports: dict[int, set[str]] = {}

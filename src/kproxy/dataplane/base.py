@@ -15,7 +15,7 @@ VALID_MODES = ("iptables", "nftables", "ipvs", "userspace")
 AVAILABLE_MODES = ("iptables",)
 
 
-class DataplaneUnavailable(Exception):  # noqa: N818
+class DataplaneUnavailable(Exception):
     """The mode cannot run on this node or in this build; the message says why and what to do."""
 
 

@@ -47,10 +47,14 @@ class ProxyProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         previous = self.status().get("syncs", 0) if self.status_path.exists() else 0
         log = self.log_path.open("a")
-        self.proc = self.lab.spawn(self.lab.node_ns, self.argv(), stdout=log, stderr=subprocess.STDOUT)
+        self.proc = self.lab.spawn(
+            self.lab.node_ns, self.argv(), stdout=log, stderr=subprocess.STDOUT
+        )
         log.close()
         if wait:
-            self.wait_synced(after=previous if self.status().get("pid") == self.proc.pid else 0, timeout=timeout)
+            self.wait_synced(
+                after=previous if self.status().get("pid") == self.proc.pid else 0, timeout=timeout
+            )
         return self
 
     @property
@@ -68,7 +72,11 @@ class ProxyProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             st = self.status()
-            if self.proc is not None and st.get("pid") == self.proc.pid and st.get("syncs", 0) > after:
+            if (
+                self.proc is not None
+                and st.get("pid") == self.proc.pid
+                and st.get("syncs", 0) > after
+            ):
                 return st
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"kproxy exited with {self.proc.returncode}:\n{self.log_tail()}")

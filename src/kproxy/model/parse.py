@@ -20,14 +20,14 @@ TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 DEFAULT_AFFINITY_TIMEOUT = 10800
 
 
-class InvalidObject(Exception):  # noqa: N818 - it is a result, not only an error
+class InvalidObject(Exception):
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
 
 
-class IgnoredObject(Exception):  # noqa: N818
+class IgnoredObject(Exception):
     """A valid object this proxy deliberately does not program (headless, IPv6, ...)."""
 
 
@@ -136,7 +136,7 @@ def _protocol(value: Any, path: str) -> Protocol:
         return Protocol(value)
     except ValueError:
         raise InvalidObject(
-            path, f"Unsupported value: {value!r}: supported values: \"TCP\", \"UDP\", \"SCTP\""
+            path, f'Unsupported value: {value!r}: supported values: "TCP", "UDP", "SCTP"'
         ) from None
 
 
@@ -254,7 +254,9 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
     itp = _str(spec.get("internalTrafficPolicy"), "spec.internalTrafficPolicy") or "Cluster"
     for path, value in (("spec.externalTrafficPolicy", etp), ("spec.internalTrafficPolicy", itp)):
         if value not in ("Cluster", "Local"):
-            raise InvalidObject(path, f"Unsupported value: {value!r}: supported values: \"Cluster\", \"Local\"")
+            raise InvalidObject(
+                path, f'Unsupported value: {value!r}: supported values: "Cluster", "Local"'
+            )
     etp_local = etp == "Local" and externally_accessible
     hcnp = 0
     if svc_type == "LoadBalancer" and etp_local:
@@ -296,7 +298,9 @@ def _cluster_ipv4(spec: dict[str, Any]) -> str:
 
 def _source_ranges(spec: dict[str, Any]) -> tuple[str, ...]:
     out: list[str] = []
-    for i, cidr in enumerate(_list(spec.get("loadBalancerSourceRanges"), "spec.loadBalancerSourceRanges")):
+    for i, cidr in enumerate(
+        _list(spec.get("loadBalancerSourceRanges"), "spec.loadBalancerSourceRanges")
+    ):
         path = f"spec.loadBalancerSourceRanges[{i}]"
         text = _str(cidr, path).strip()
         try:
@@ -388,7 +392,11 @@ def _condition(cond: dict[str, Any], key: str, default: bool, path: str) -> bool
 def _hint_names(hints: dict[str, Any], key: str, path: str) -> frozenset[str]:
     names = []
     for i, h in enumerate(_list(hints.get(key), f"{path}.hints.{key}")):
-        names.append(_str(_mapping(h, f"{path}.hints.{key}[{i}]").get("name"), f"{path}.hints.{key}[{i}].name"))
+        names.append(
+            _str(
+                _mapping(h, f"{path}.hints.{key}[{i}]").get("name"), f"{path}.hints.{key}[{i}].name"
+            )
+        )
     return frozenset(n for n in names if n)
 
 
@@ -427,7 +435,14 @@ def parse_node(obj: dict[str, Any]) -> ParsedNode:
         try:
             net = ipaddress.ip_network(c, strict=False)
         except ValueError:
-            raise InvalidObject("spec.podCIDRs", f"Invalid value: {c!r}: must be a valid CIDR") from None
+            raise InvalidObject(
+                "spec.podCIDRs", f"Invalid value: {c!r}: must be a valid CIDR"
+            ) from None
         if net.version == 4:
             v4.append(str(net))
-    return ParsedNode(name=name, labels=tuple(sorted(labels.items())), addresses=tuple(addresses), pod_cidrs=tuple(v4))
+    return ParsedNode(
+        name=name,
+        labels=tuple(sorted(labels.items())),
+        addresses=tuple(addresses),
+        pod_cidrs=tuple(v4),
+    )

@@ -14,7 +14,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kproxy.model.objects import Endpoint, NodeInfo, Rejection, ServicePort, ServicePortName, Snapshot
+from kproxy.model.objects import (
+    Endpoint,
+    NodeInfo,
+    Rejection,
+    ServicePort,
+    ServicePortName,
+    Snapshot,
+)
 from kproxy.model.parse import (
     IgnoredObject,
     InvalidObject,
@@ -194,7 +201,9 @@ class ChangeTracker:
                     svc = f"{sl.namespace}/{sl.service}"
                     trigger_times[svc] = max(trigger_times.get(svc, 0.0), sl.trigger_time)
             rejections = tuple(sorted(self._rejections.values(), key=str))
-        return Snapshot(node=node, services=services, rejections=rejections, trigger_times=trigger_times)
+        return Snapshot(
+            node=node, services=services, rejections=rejections, trigger_times=trigger_times
+        )
 
     def take_counts(self) -> ChangeCounts:
         with self._lock:
@@ -291,7 +300,9 @@ def categorize(sp: ServicePort, node: NodeInfo) -> ServicePort:
     if sp.uses_cluster_endpoints:
         zone = node.zone
         use_topology = _can_use_topology(endpoints, zone)
-        cluster = tuple(e for e in endpoints if e.ready and (not use_topology or zone in e.zone_hints))
+        cluster = tuple(
+            e for e in endpoints if e.ready and (not use_topology or zone in e.zone_hints)
+        )
         if not cluster:
             cluster = tuple(e for e in endpoints if e.serving and e.terminating)
         any_eps = bool(cluster)

@@ -25,7 +25,11 @@ class ObjectKey:
     name: str
 
     def __str__(self) -> str:
-        return f"{self.kind} {self.namespace}/{self.name}" if self.namespace else f"{self.kind} {self.name}"
+        return (
+            f"{self.kind} {self.namespace}/{self.name}"
+            if self.namespace
+            else f"{self.kind} {self.name}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

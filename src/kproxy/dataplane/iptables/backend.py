@@ -375,7 +375,8 @@ class IptablesBackend:
         if proc.returncode != 0:
             error = RestoreError(tool=self.restore_bin, command=in_netns(argv, self.netns),
                                  returncode=proc.returncode, stderr=proc.stderr, input_data=data)
-            log.error("%s\n%s", error, error.context())
+            # The caller decides how loudly to report and where to keep the input.
+            log.debug("%s\n%s", error, error.context())
             raise error
 
     # -- save / inspect ---------------------------------------------------------------------
@@ -406,7 +407,11 @@ class IptablesBackend:
         return parse_save(self.save())
 
     def chains(self, table: str) -> set[str]:
-        """Names of all chains (built-in and user) in `table`."""
+        """Names of all chains (built-in and user) in `table`.
+
+        iptables-nft-save lists the built-in chains of a table even when the nft table does
+        not exist; the legacy flavour returns an empty set then.
+        """
         dump = parse_save(self.save(table)).get(table)
         return set(dump.chains) if dump else set()
 
@@ -432,8 +437,9 @@ class IptablesBackend:
         proc = self._run(argv)
         if proc.returncode == 0:
             return True
-        # Exit 1 is iptables' "no such rule/chain"; anything else is a real failure.
-        if proc.returncode == 1:
+        # Exit 1 is iptables' "no such rule/chain"; exit 2 naming a chain that "does not
+        # exist" is a rule whose jump target is missing, so the rule cannot exist either.
+        if proc.returncode == 1 or (proc.returncode == 2 and "does not exist" in proc.stderr):
             return False
         raise IptablesError(
             f"{self.iptables_bin} -C failed with exit code {proc.returncode}: "

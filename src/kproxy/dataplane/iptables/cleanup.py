@@ -44,7 +44,9 @@ KUBE_PROXY_CHAINS = frozenset(
     }
 )
 # Chains that look like ours but belong to kubelet (kube-proxy's own cleanup keeps them too).
-KUBELET_CHAINS = frozenset({"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-MARK-DROP", "KUBE-IPTABLES-HINT"})
+KUBELET_CHAINS = frozenset(
+    {"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-MARK-DROP", "KUBE-IPTABLES-HINT"}
+)
 TABLES = ("filter", "nat", "mangle", "raw")
 
 
@@ -80,16 +82,28 @@ def owned_state(backend: IptablesBackend) -> list[OwnedObject]:
             target = _target(rule)
             if not is_owned_chain(chain) and is_owned_chain(target):
                 found.append(
-                    OwnedObject("iptables-rule", f"{where} {table}", rule, f"jumps to kube-proxy chain {target}")
+                    OwnedObject(
+                        "iptables-rule",
+                        f"{where} {table}",
+                        rule,
+                        f"jumps to kube-proxy chain {target}",
+                    )
                 )
         for chain in sorted(dump.chains):
             if chain in KUBE_PROXY_CHAINS:
-                found.append(OwnedObject("iptables-chain", f"{where} {table}", chain, "a kube-proxy top-level chain"))
+                found.append(
+                    OwnedObject(
+                        "iptables-chain", f"{where} {table}", chain, "a kube-proxy top-level chain"
+                    )
+                )
             elif names.is_service_chain(chain):
                 prefix = chain.split("-")[1]
                 found.append(
                     OwnedObject(
-                        "iptables-chain", f"{where} {table}", chain, f"a kube-proxy per-service chain (KUBE-{prefix}-)"
+                        "iptables-chain",
+                        f"{where} {table}",
+                        chain,
+                        f"a kube-proxy per-service chain (KUBE-{prefix}-)",
                     )
                 )
     return found

@@ -23,7 +23,12 @@ from pathlib import Path
 from kproxy.dataplane.base import OwnedObject, SyncError, SyncResult
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables import names
-from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError, RestoreError, rule_spec
+from kproxy.dataplane.iptables.backend import (
+    IptablesBackend,
+    IptablesError,
+    RestoreError,
+    rule_spec,
+)
 from kproxy.dataplane.iptables.render import (
     JUMPS,
     KUBELET_FIREWALL_JUMPS,
@@ -82,7 +87,9 @@ class IptablesDataplane:
             assert applied is not None
             existing = applied.chains
             rewrite = {
-                n for n, sp in snapshot.services.items() if applied.services.get(n) is not sp and applied.services.get(n) != sp
+                n
+                for n, sp in snapshot.services.items()
+                if applied.services.get(n) is not sp and applied.services.get(n) != sp
             }
         plan = self.renderer.plan(snapshot, rewrite=rewrite, existing_chains=existing)
         self.last_plan = plan
@@ -116,7 +123,9 @@ class IptablesDataplane:
             services=len(snapshot.services),
             rewritten=len(plan.rewritten),
             stale_removed=len(plan.stale_chains),
-            rules_written=plan.rules_written(include_filter=include_filter, include_nat_top=include_nat_top),
+            rules_written=plan.rules_written(
+                include_filter=include_filter, include_nat_top=include_nat_top
+            ),
             rules_total=dict(plan.rules_total),
             pieces=len(pieces),
         )
@@ -130,19 +139,27 @@ class IptablesDataplane:
         *,
         split: bool,
     ) -> list[str]:
-        jump_lines = {"filter": [j for t, j in jumps if t == "filter"], "nat": [j for t, j in jumps if t == "nat"]}
+        jump_lines = {
+            "filter": [j for t, j in jumps if t == "filter"],
+            "nat": [j for t, j in jumps if t == "nat"],
+        }
         if jump_lines["filter"]:
             include_filter = True
         if jump_lines["nat"]:
             include_nat_top = True
         big = split and self.backend.flavour == "nft" and len(plan.blocks) > SPLIT_THRESHOLD
         if not big:
-            text = _with_jumps(plan.text(include_filter=include_filter, include_nat_top=include_nat_top), jump_lines)
+            text = _with_jumps(
+                plan.text(include_filter=include_filter, include_nat_top=include_nat_top),
+                jump_lines,
+            )
             return [text] if text else []
         pieces: list[str] = []
         step = self.piece_services
         for i in range(0, len(plan.blocks), step):
-            pieces.append("\n".join(plan.nat_section(plan.blocks[i : i + step], include_top=False)) + "\n")
+            pieces.append(
+                "\n".join(plan.nat_section(plan.blocks[i : i + step], include_top=False)) + "\n"
+            )
         top: list[str] = []
         if include_filter:
             top += ["*filter", *plan.filter_chains, *plan.filter_rules, "COMMIT"]
@@ -152,7 +169,10 @@ class IptablesDataplane:
             pieces.append(_with_jumps("\n".join(top) + "\n", jump_lines))
         stale = plan.stale_chains
         for i in range(0, len(stale), step * 10):
-            pieces.append("\n".join(plan.nat_section((), include_top=False, stale=stale[i : i + step * 10])) + "\n")
+            pieces.append(
+                "\n".join(plan.nat_section((), include_top=False, stale=stale[i : i + step * 10]))
+                + "\n"
+            )
         return pieces
 
     def _missing_jumps(self) -> list[tuple[str, str]]:

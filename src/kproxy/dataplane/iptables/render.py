@@ -34,27 +34,72 @@ LOCALHOST_NODEPORTS_COUNTER = "localhost_nps_accepted_pkts"
 # Jumps from built-in chains into ours: (table, chain, extra match args, comment, target).
 # Upstream checks these with -C and inserts them at position 1 when missing, full syncs only.
 JUMPS: tuple[tuple[str, str, str, str, str], ...] = (
-    ("filter", "INPUT", "-m conntrack --ctstate NEW", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
-    ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
+    (
+        "filter",
+        "INPUT",
+        "-m conntrack --ctstate NEW",
+        "kubernetes externally-visible service portals",
+        "KUBE-EXTERNAL-SERVICES",
+    ),
+    (
+        "filter",
+        "FORWARD",
+        "-m conntrack --ctstate NEW",
+        "kubernetes externally-visible service portals",
+        "KUBE-EXTERNAL-SERVICES",
+    ),
     ("filter", "INPUT", "", "kubernetes health check service ports", "KUBE-NODEPORTS"),
-    ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes service portals", "KUBE-SERVICES"),
-    ("filter", "OUTPUT", "-m conntrack --ctstate NEW", "kubernetes service portals", "KUBE-SERVICES"),
+    (
+        "filter",
+        "FORWARD",
+        "-m conntrack --ctstate NEW",
+        "kubernetes service portals",
+        "KUBE-SERVICES",
+    ),
+    (
+        "filter",
+        "OUTPUT",
+        "-m conntrack --ctstate NEW",
+        "kubernetes service portals",
+        "KUBE-SERVICES",
+    ),
     ("filter", "FORWARD", "", "kubernetes forwarding rules", "KUBE-FORWARD"),
-    ("filter", "INPUT", "-m conntrack --ctstate NEW", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
-    ("filter", "OUTPUT", "-m conntrack --ctstate NEW", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
-    ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    (
+        "filter",
+        "INPUT",
+        "-m conntrack --ctstate NEW",
+        "kubernetes load balancer firewall",
+        "KUBE-PROXY-FIREWALL",
+    ),
+    (
+        "filter",
+        "OUTPUT",
+        "-m conntrack --ctstate NEW",
+        "kubernetes load balancer firewall",
+        "KUBE-PROXY-FIREWALL",
+    ),
+    (
+        "filter",
+        "FORWARD",
+        "-m conntrack --ctstate NEW",
+        "kubernetes load balancer firewall",
+        "KUBE-PROXY-FIREWALL",
+    ),
     ("nat", "OUTPUT", "", "kubernetes service portals", "KUBE-SERVICES"),
     ("nat", "PREROUTING", "", "kubernetes service portals", "KUBE-SERVICES"),
     ("nat", "POSTROUTING", "", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
 )
 # kubelet's chain, which kube-proxy also ensures: plain jumps from INPUT and OUTPUT.
-KUBELET_FIREWALL_JUMPS = (("filter", "INPUT", "KUBE-FIREWALL"), ("filter", "OUTPUT", "KUBE-FIREWALL"))
+KUBELET_FIREWALL_JUMPS = (
+    ("filter", "INPUT", "KUBE-FIREWALL"),
+    ("filter", "OUTPUT", "KUBE-FIREWALL"),
+)
 
 
 def jump_rule(chain: str, extra: str, comment: str, target: str) -> str:
     """A jump as iptables-save prints it (also valid restore input after -A/-I)."""
     middle = f"{extra} " if extra else ""
-    return f"{chain} {middle}-m comment --comment \"{comment}\" -j {target}"
+    return f'{chain} {middle}-m comment --comment "{comment}" -j {target}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +215,11 @@ def localhost_nodeports_enabled(options: RuleOptions) -> bool:
     if tuple(options.node_port_addresses) == ("primary",):
         return False
     lo = ipaddress.ip_address("127.0.0.1")
-    return any(lo in ipaddress.ip_network(c, strict=False) for c in options.node_port_addresses if ":" not in c)
+    return any(
+        lo in ipaddress.ip_network(c, strict=False)
+        for c in options.node_port_addresses
+        if ":" not in c
+    )
 
 
 class IptablesRenderer:
@@ -217,7 +266,7 @@ class IptablesRenderer:
         nat_rules += [
             f"-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN",
             f"-A KUBE-POSTROUTING -j MARK --xor-mark {mark}",
-            "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\""
+            '-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT"'
             " -j MASQUERADE" + (" --random-fully" if self.facts.random_fully else ""),
             f"-A KUBE-MARK-MASQ -j MARK --or-mark {mark}",
         ]
@@ -225,7 +274,7 @@ class IptablesRenderer:
         if self.localhost_nodeports:
             plan.filter_chains.append(f":{KUBELET_FIREWALL_CHAIN} - [0:0]")
             filter_rules.append(
-                "-A KUBE-FIREWALL -m comment --comment \"block incoming localnet connections\""
+                '-A KUBE-FIREWALL -m comment --comment "block incoming localnet connections"'
                 " -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT"
                 " -j DROP"
             )
@@ -272,11 +321,11 @@ class IptablesRenderer:
                 acct = f" -m nfacct --nfacct-name {CT_INVALID_COUNTER}"
             out.append(f"-A KUBE-FORWARD -m conntrack --ctstate INVALID{acct} -j DROP")
         out.append(
-            f"-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\""
+            f'-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules"'
             f" -m mark --mark {mark}/{mark} -j ACCEPT"
         )
         out.append(
-            "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\""
+            '-A KUBE-FORWARD -m comment --comment "kubernetes forwarding conntrack rule"'
             " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
         )
         return out
@@ -301,7 +350,9 @@ class IptablesRenderer:
         internal_chain = svl_chain if sp.internal_policy_local else svc_chain
         external_policy_chain = svl_chain if sp.external_policy_local else svc_chain
         uses_ext_chain = has_endpoints and sp.is_external
-        uses_fw_chain = has_endpoints and bool(sp.load_balancer_ips) and bool(sp.load_balancer_source_ranges)
+        uses_fw_chain = (
+            has_endpoints and bool(sp.load_balancer_ips) and bool(sp.load_balancer_source_ranges)
+        )
         lb_chain = fw_chain if uses_fw_chain else ext_chain
 
         if not has_endpoints:
@@ -319,21 +370,31 @@ class IptablesRenderer:
         top: list[str] = []
         cip = f"-d {sp.cluster_ip} --dport {sp.port}"
         if has_internal:
-            top.append(f'-A KUBE-SERVICES -m comment --comment "{name} cluster IP" {match} {cip} -j {internal_chain}')
+            top.append(
+                f'-A KUBE-SERVICES -m comment --comment "{name} cluster IP" {match} {cip} -j {internal_chain}'
+            )
         else:
-            filt.append(f"-A KUBE-SERVICES -m comment --comment {int_comment} {match} {cip} -j {int_target}")
+            filt.append(
+                f"-A KUBE-SERVICES -m comment --comment {int_comment} {match} {cip} -j {int_target}"
+            )
 
         for ip in sp.external_ips:
             dst = f"-d {ip} --dport {sp.port}"
             if has_endpoints:
-                top.append(f'-A KUBE-SERVICES -m comment --comment "{name} external IP" {match} {dst} -j {ext_chain}')
+                top.append(
+                    f'-A KUBE-SERVICES -m comment --comment "{name} external IP" {match} {dst} -j {ext_chain}'
+                )
             if not has_external:
-                filt.append(f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment} {match} {dst} -j {ext_target}")
+                filt.append(
+                    f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment} {match} {dst} -j {ext_target}"
+                )
 
         for ip in sp.load_balancer_ips:
             dst = f"-d {ip} --dport {sp.port}"
             if has_endpoints:
-                top.append(f'-A KUBE-SERVICES -m comment --comment "{name} loadbalancer IP" {match} {dst} -j {lb_chain}')
+                top.append(
+                    f'-A KUBE-SERVICES -m comment --comment "{name} loadbalancer IP" {match} {dst} -j {lb_chain}'
+                )
             if uses_fw_chain:
                 filt.append(
                     f'-A KUBE-PROXY-FIREWALL -m comment --comment "{name} traffic not accepted by {fw_chain}"'
@@ -348,13 +409,18 @@ class IptablesRenderer:
 
         if sp.node_port:
             if has_endpoints:
-                if self.localhost_nodeports and LOCALHOST_NODEPORTS_COUNTER in self.facts.nfacct_counters:
+                if (
+                    self.localhost_nodeports
+                    and LOCALHOST_NODEPORTS_COUNTER in self.facts.nfacct_counters
+                ):
                     top.append(
                         f"-A KUBE-NODEPORTS -m comment --comment {name} {match} -d 127.0.0.0/8"
                         f" --dport {sp.node_port} -m nfacct --nfacct-name {LOCALHOST_NODEPORTS_COUNTER}"
                         f" -j {ext_chain}"
                     )
-                top.append(f"-A KUBE-NODEPORTS -m comment --comment {name} {match} --dport {sp.node_port} -j {ext_chain}")
+                top.append(
+                    f"-A KUBE-NODEPORTS -m comment --comment {name} {match} --dport {sp.node_port} -j {ext_chain}"
+                )
             if not has_external:
                 filt.append(
                     f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment} -m addrtype --dst-type LOCAL"
@@ -441,7 +507,12 @@ class IptablesRenderer:
         return ServiceBlock(tuple(filt), tuple(top), tuple(chains), tuple(rules))
 
     def _dispatch(
-        self, rules: list[str], sp: ServicePort, chain: str, endpoints: tuple[Endpoint, ...], large: bool
+        self,
+        rules: list[str],
+        sp: ServicePort,
+        chain: str,
+        endpoints: tuple[Endpoint, ...],
+        large: bool,
     ) -> None:
         name = str(sp.name)
         seps = [names.sep_chain(sp.name, ep) for ep in endpoints]
