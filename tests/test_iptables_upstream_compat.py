@@ -610,7 +610,19 @@ def test_load_balancer(name: str) -> None:
     check_case(name)
 
 
-@pytest.mark.parametrize("name", cases_for("TestNodePorts"))
+DUAL_STACK_PENDING = pytest.mark.xfail(
+    strict=True,
+    reason="IPv6 is parsed and ignored until dual stack is built (issue 'kproxy core', item 2)",
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=DUAL_STACK_PENDING) if "ipv6" in n else n
+        for n in cases_for("TestNodePorts")
+    ],
+)
 def test_node_ports(name: str) -> None:
     """TestNodePorts (flows + exact KUBE-FIREWALL chain; derived dumps) at
     aojea/kubernetes@4e7ccb2: IPv4/IPv6, --nodeport-addresses, --iptables-localhost-nodeports."""

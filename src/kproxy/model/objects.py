@@ -19,7 +19,10 @@ class Protocol(StrEnum):
 
     @property
     def lower(self) -> str:
-        return self.value.lower()
+        return _LOWER[self]
+
+
+_LOWER = {p: p.value.lower() for p in Protocol}
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -54,11 +57,14 @@ class Endpoint:
     is_local: bool = False
     zone_hints: frozenset[str] = field(default_factory=frozenset)
     node_hints: frozenset[str] = field(default_factory=frozenset)
+    # ip:port the way Go's net.JoinHostPort writes it (brackets for IPv6); derived, stored
+    # because every renderer needs it for every endpoint.
+    addr: str = field(default="", compare=False)
 
-    @property
-    def addr(self) -> str:
-        """ip:port the way Go's net.JoinHostPort writes it (brackets for IPv6)."""
-        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+    def __post_init__(self) -> None:
+        if not self.addr:
+            ip = self.ip
+            object.__setattr__(self, "addr", f"[{ip}]:{self.port}" if ":" in ip else f"{ip}:{self.port}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@ line and count it; nothing here raises for bad user data. IPv6-only objects are 
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from kproxy.model.objects import Protocol
@@ -140,21 +142,61 @@ def _protocol(value: Any, path: str) -> Protocol:
         ) from None
 
 
+_IPV4 = re.compile(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})")
+
+
 def _ip(value: Any, path: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.ip_address(_ip_text(value, path))
+
+
+@lru_cache(maxsize=1 << 18)
+def _canonical_ip(text: str) -> str | None:
+    """Canonical form of an IP, or None. Like upstream's ParseIPSloppy, IPv4 octets with
+    leading zeros are accepted and read as decimal ("010.001.2.3" is 10.1.2.3)."""
+    m = _IPV4.fullmatch(text)
+    if m is not None:
+        octets = [int(g) for g in m.groups()]
+        if all(o <= 255 for o in octets):
+            return "%d.%d.%d.%d" % tuple(octets)
+        return None
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return None
+
+
+def _ip_text(value: Any, path: str) -> str:
+    """The canonical text of an IP address field (InvalidObject if it is not one)."""
     if not isinstance(value, str):
         raise InvalidObject(path, f"must be an IP address string, got {value!r}")
+    ip = _canonical_ip(value.strip())
+    if ip is None:
+        raise InvalidObject(path, f"Invalid value: {value!r}: must be a valid IP address")
+    return ip
+
+
+def _canonical_cidr(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    """A CIDR, sloppy like upstream's ParseCIDRSloppy (leading zeros allowed)."""
+    addr, sep, prefix = text.partition("/")
+    ip = _canonical_ip(addr)
+    if ip is None or not sep or not prefix.isdigit():
+        return None
     try:
-        return ipaddress.ip_address(value.strip())
+        return ipaddress.ip_network(f"{ip}/{int(prefix)}", strict=False)
     except ValueError:
-        raise InvalidObject(path, f"Invalid value: {value!r}: must be a valid IP address") from None
+        return None
+
+
+def _is_v4(ip: str) -> bool:
+    return ":" not in ip
 
 
 def _ipv4_list(values: Any, path: str) -> tuple[str, ...]:
     out: list[str] = []
     for i, v in enumerate(_list(values, path)):
-        ip = _ip(v, f"{path}[{i}]")
-        if ip.version == 4:
-            out.append(str(ip))
+        ip = _ip_text(v, f"{path}[{i}]")
+        if _is_v4(ip):
+            out.append(ip)
     return tuple(out)
 
 
@@ -227,9 +269,9 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
             # ipMode Proxy: the load balancer delivers to the node itself, not to the VIP.
             if ing.get("ipMode") == "Proxy":
                 continue
-            ip = _ip(ing["ip"], f"status.loadBalancer.ingress[{i}].ip")
-            if ip.version == 4:
-                lb_ips.append(str(ip))
+            ip = _ip_text(ing["ip"], f"status.loadBalancer.ingress[{i}].ip")
+            if _is_v4(ip):
+                lb_ips.append(ip)
     source_ranges = _source_ranges(spec) if svc_type == "LoadBalancer" else ()
 
     affinity_timeout: int | None = None
@@ -291,8 +333,9 @@ def _cluster_ipv4(spec: dict[str, Any]) -> str:
         raise IgnoredObject("no clusterIP allocated (headless or not yet allocated)")
     for i, ip in enumerate(candidates):
         path = "spec.clusterIP" if i == 0 and primary else f"spec.clusterIPs[{i - bool(primary)}]"
-        if _ip(ip, path).version == 4:
-            return str(ipaddress.ip_address(ip.strip()))
+        text = _ip_text(ip, path)
+        if _is_v4(text):
+            return text
     raise IgnoredObject("IPv6-only service (dual stack is not built yet)")
 
 
@@ -302,11 +345,9 @@ def _source_ranges(spec: dict[str, Any]) -> tuple[str, ...]:
         _list(spec.get("loadBalancerSourceRanges"), "spec.loadBalancerSourceRanges")
     ):
         path = f"spec.loadBalancerSourceRanges[{i}]"
-        text = _str(cidr, path).strip()
-        try:
-            net = ipaddress.ip_network(text, strict=False)
-        except ValueError:
-            raise InvalidObject(path, f"Invalid value: {cidr!r}: must be a valid CIDR") from None
+        net = _canonical_cidr(_str(cidr, path).strip())
+        if net is None:
+            raise InvalidObject(path, f"Invalid value: {cidr!r}: must be a valid CIDR")
         if net.version == 4:
             out.append(str(net))
     return tuple(out)
@@ -353,14 +394,14 @@ def parse_endpoint_slice(obj: dict[str, Any]) -> ParsedSlice:
         if not addrs:
             raise InvalidObject(f"{path}.addresses", "required field is missing")
         # Upstream uses only the first address of an endpoint.
-        ip = _ip(addrs[0], f"{path}.addresses[0]")
-        if ip.version != 4:
+        ip = _ip_text(addrs[0], f"{path}.addresses[0]")
+        if not _is_v4(ip):
             raise InvalidObject(f"{path}.addresses[0]", f"Invalid value: {addrs[0]!r}: not IPv4")
         cond = _mapping(ep.get("conditions"), f"{path}.conditions")
         hints = _mapping(ep.get("hints"), f"{path}.hints")
         endpoints.append(
             ParsedEndpoint(
-                ip=str(ip),
+                ip=ip,
                 node_name=_str(ep.get("nodeName"), f"{path}.nodeName"),
                 zone=_str(ep.get("zone"), f"{path}.zone"),
                 ready=_condition(cond, "ready", True, path),
@@ -389,7 +430,12 @@ def _condition(cond: dict[str, Any], key: str, default: bool, path: str) -> bool
     return value
 
 
+_NO_HINTS: frozenset[str] = frozenset()
+
+
 def _hint_names(hints: dict[str, Any], key: str, path: str) -> frozenset[str]:
+    if not hints.get(key):
+        return _NO_HINTS
     names = []
     for i, h in enumerate(_list(hints.get(key), f"{path}.hints.{key}")):
         names.append(

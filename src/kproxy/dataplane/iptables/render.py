@@ -197,11 +197,15 @@ def nodeport_ips(options: RuleOptions, facts: NodeFacts) -> list[str] | None:
         return None
     if tuple(options.node_port_addresses) == ("primary",):
         return list(facts.node_ips)
-    nets = [ipaddress.ip_network(c, strict=False) for c in options.node_port_addresses]
+    # Only this family's CIDRs count (IPv4 now); an IPv6 address in iptables input would
+    # make the whole restore fail.
+    nets = [n for n in (ipaddress.ip_network(c, strict=False) for c in options.node_port_addresses) if n.version == 4]
+    if not nets:
+        return None  # no CIDR of this family: every local address, as upstream
     out = []
     for addr in facts.local_addresses:
         ip = ipaddress.ip_address(addr)
-        if any(ip.version == n.version and ip in n for n in nets):
+        if ip.version == 4 and any(ip in n for n in nets):
             out.append(addr)
     return out
 
@@ -487,54 +491,56 @@ class IptablesRenderer:
                 ' KUBE-PROXY-FIREWALL"'
             )
 
+        seps = names.sep_chains(sp.name, sp.reachable_endpoints)
         if uses_cluster_chain:
             chains.append(svc_chain)
-            self._dispatch(rules, sp, svc_chain, sp.cluster_endpoints, large)
+            _dispatch(rules, sp, svc_chain, sp.cluster_endpoints, seps, large)
         if uses_local_chain:
             chains.append(svl_chain)
-            self._dispatch(rules, sp, svl_chain, sp.local_endpoints, large)
+            _dispatch(rules, sp, svl_chain, sp.local_endpoints, seps, large)
 
         comment = "" if large else f"-m comment --comment {name} "
         dnat = f"{match} -j DNAT --to-destination"
+        affinity = sp.affinity_timeout is not None
         for ep in sp.reachable_endpoints:
-            sep = names.sep_chain(sp.name, ep)
+            addr = ep.addr
+            sep = seps[addr]
             chains.append(sep)
             rules.append(f"-A {sep} {comment}-s {ep.ip} -j KUBE-MARK-MASQ")
-            if sp.affinity_timeout is not None:
-                rules.append(f"-A {sep} {comment}-m recent --name {sep} --set {dnat} {ep.addr}")
+            if affinity:
+                rules.append(f"-A {sep} {comment}-m recent --name {sep} --set {dnat} {addr}")
             else:
-                rules.append(f"-A {sep} {comment}{dnat} {ep.addr}")
+                rules.append(f"-A {sep} {comment}{dnat} {addr}")
         return ServiceBlock(tuple(filt), tuple(top), tuple(chains), tuple(rules))
 
-    def _dispatch(
-        self,
-        rules: list[str],
-        sp: ServicePort,
-        chain: str,
-        endpoints: tuple[Endpoint, ...],
-        large: bool,
-    ) -> None:
-        name = str(sp.name)
-        seps = [names.sep_chain(sp.name, ep) for ep in endpoints]
 
-        def comment(ep: Endpoint) -> str:
-            return "" if large else f'-m comment --comment "{name} -> {ep.addr}" '
-
-        if sp.affinity_timeout is not None:
-            for ep, sep in zip(endpoints, seps, strict=True):
-                rules.append(
-                    f"-A {chain} {comment(ep)}-m recent --name {sep} --rcheck --seconds"
-                    f" {sp.affinity_timeout} --reap -j {sep}"
-                )
-        n = len(endpoints)
-        for i, (ep, sep) in enumerate(zip(endpoints, seps, strict=True)):
-            if i < n - 1:
-                rules.append(
-                    f"-A {chain} {comment(ep)}-m statistic --mode random --probability"
-                    f" {probability(n - i)} -j {sep}"
-                )
-            else:
-                rules.append(f"-A {chain} {comment(ep)}-j {sep}")
+def _dispatch(
+    rules: list[str],
+    sp: ServicePort,
+    chain: str,
+    endpoints: tuple[Endpoint, ...],
+    seps: dict[str, str],
+    large: bool,
+) -> None:
+    """SVC/SVL -> SEP rules: affinity checks first, then the probability ladder."""
+    name = str(sp.name)
+    head = f"-A {chain} "
+    if sp.affinity_timeout is not None:
+        for ep in endpoints:
+            sep = seps[ep.addr]
+            comment = "" if large else f'-m comment --comment "{name} -> {ep.addr}" '
+            rules.append(
+                f"{head}{comment}-m recent --name {sep} --rcheck --seconds {sp.affinity_timeout} --reap -j {sep}"
+            )
+    n = len(endpoints)
+    last = n - 1
+    for i, ep in enumerate(endpoints):
+        addr = ep.addr
+        comment = "" if large else f'-m comment --comment "{name} -> {addr}" '
+        if i < last:
+            rules.append(f"{head}{comment}-m statistic --mode random --probability {probability(n - i)} -j {seps[addr]}")
+        else:
+            rules.append(f"{head}{comment}-j {seps[addr]}")
 
 
 _PROBABILITIES: dict[int, str] = {}
