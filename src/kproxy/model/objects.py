@@ -64,7 +64,8 @@ class Endpoint:
     def __post_init__(self) -> None:
         if not self.addr:
             ip = self.ip
-            object.__setattr__(self, "addr", f"[{ip}]:{self.port}" if ":" in ip else f"{ip}:{self.port}")
+            addr = f"[{ip}]:{self.port}" if ":" in ip else f"{ip}:{self.port}"
+            object.__setattr__(self, "addr", addr)
 
 
 @dataclass(frozen=True, slots=True)

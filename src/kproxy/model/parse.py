@@ -157,7 +157,7 @@ def _canonical_ip(text: str) -> str | None:
     if m is not None:
         octets = [int(g) for g in m.groups()]
         if all(o <= 255 for o in octets):
-            return "%d.%d.%d.%d" % tuple(octets)
+            return ".".join(map(str, octets))
         return None
     try:
         return str(ipaddress.ip_address(text))
