@@ -207,11 +207,28 @@ def _labels(meta: dict[str, Any], key: str, path: str) -> dict[str, str]:
 
 # --- Service ----------------------------------------------------------------------------------
 
+# The API server enforces these; a file source must too, because names end up inside
+# iptables comments and nft chain names, where a stray quote would break a whole restore.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")
+
+
+def _dns_label(value: str, path: str) -> str:
+    if not _DNS_LABEL.fullmatch(value):
+        raise InvalidObject(
+            path,
+            f"Invalid value: {value!r}: must be a DNS label (at most 63 lowercase letters, digits"
+            " and '-', starting and ending with a letter or digit)",
+        )
+    return value
+
 
 def parse_service(obj: dict[str, Any]) -> ParsedService:
     meta = _mapping(obj.get("metadata"), "metadata")
-    name = _str(meta.get("name"), "metadata.name", required=True)
-    namespace = _str(meta.get("namespace"), "metadata.namespace") or "default"
+    name = _dns_label(_str(meta.get("name"), "metadata.name", required=True), "metadata.name")
+    namespace = _dns_label(
+        _str(meta.get("namespace"), "metadata.namespace") or "default", "metadata.namespace"
+    )
     labels = _labels(meta, "labels", "metadata")
     annotations = _labels(meta, "annotations", "metadata")
     spec = _mapping(obj.get("spec"), "spec")
@@ -236,6 +253,11 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
         path = f"spec.ports[{i}]"
         p = _mapping(raw, path)
         pname = _str(p.get("name"), f"{path}.name")
+        if pname and not _PORT_NAME.fullmatch(pname):
+            raise InvalidObject(
+                f"{path}.name",
+                f"Invalid value: {pname!r}: must be at most 15 lowercase letters, digits and '-'",
+            )
         if len(raw_ports) > 1 and not pname:
             raise InvalidObject(f"{path}.name", "required when a Service has several ports")
         proto = _protocol(p.get("protocol"), f"{path}.protocol")

@@ -1,0 +1,1 @@
+"""kproxy benchmarks: render, sync and memory at scale (`make bench`, see bench/run.py)."""

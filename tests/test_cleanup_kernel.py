@@ -1,0 +1,113 @@
+"""`kproxy cleanup` removes kube-proxy's iptables state, in both backends, and nothing else."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+pytestmark = pytest.mark.kernel
+
+UPSTREAM_STATE = """\
+*filter
+:KUBE-SERVICES - [0:0]
+:KUBE-FORWARD - [0:0]
+:KUBE-FIREWALL - [0:0]
+:KUBE-KUBELET-CANARY - [0:0]
+:KUBE-IPVS-FILTER - [0:0]
+:CALI-INPUT - [0:0]
+:KUBE-ROUTER-INPUT - [0:0]
+-A INPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A INPUT -j KUBE-FIREWALL
+-A INPUT -j KUBE-IPVS-FILTER
+-A INPUT -j CALI-INPUT
+-A FORWARD -j KUBE-FORWARD
+-A CALI-INPUT -j KUBE-SERVICES
+-A KUBE-FIREWALL -d 127.0.0.0/8 ! -s 127.0.0.0/8 -j DROP
+-A KUBE-SERVICES -d 10.96.0.99/32 -p tcp -j REJECT
+COMMIT
+*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-POSTROUTING - [0:0]
+:KUBE-MARK-MASQ - [0:0]
+:KUBE-SVC-XPGD46QRK7WJZT7O - [0:0]
+:KUBE-SEP-SXIVWICOYRO3J4NJ - [0:0]
+:KUBE-PORTALS-CONTAINER - [0:0]
+:OTHER-NAT - [0:0]
+-A PREROUTING -j KUBE-SERVICES
+-A PREROUTING -j KUBE-PORTALS-CONTAINER
+-A POSTROUTING -j KUBE-POSTROUTING
+-A OUTPUT -j OTHER-NAT
+-A KUBE-SERVICES -d 10.96.0.10/32 -p tcp --dport 80 -j KUBE-SVC-XPGD46QRK7WJZT7O
+-A KUBE-SVC-XPGD46QRK7WJZT7O -j KUBE-SEP-SXIVWICOYRO3J4NJ
+-A KUBE-SEP-SXIVWICOYRO3J4NJ -p tcp -j DNAT --to-destination 10.180.0.1:80
+-A OTHER-NAT -d 192.0.2.1/32 -j RETURN
+COMMIT
+"""
+OURS = {
+    "KUBE-SERVICES",
+    "KUBE-FORWARD",
+    "KUBE-IPVS-FILTER",
+    "KUBE-POSTROUTING",
+    "KUBE-MARK-MASQ",
+    "KUBE-SVC-XPGD46QRK7WJZT7O",
+    "KUBE-SEP-SXIVWICOYRO3J4NJ",
+    "KUBE-PORTALS-CONTAINER",
+}
+THEIRS = {"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "CALI-INPUT", "KUBE-ROUTER-INPUT", "OTHER-NAT"}
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"kpc-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+def run_in(ns: str, *argv: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, *argv], input=input, capture_output=True, text=True, check=False
+    )
+
+
+def chains(ns: str, flavour: str) -> set[str]:
+    out = run_in(ns, f"iptables-{flavour}-save").stdout
+    return {line[1:].split()[0] for line in out.splitlines() if line.startswith(":")}
+
+
+@pytest.mark.parametrize("flavour", ["nft", "legacy"])
+def test_cleanup_removes_only_kube_proxy_state(netns: str, flavour: str) -> None:
+    loaded = run_in(netns, f"iptables-{flavour}-restore", "--noflush", input=UPSTREAM_STATE)
+    assert loaded.returncode == 0, loaded.stderr
+    kproxy = [sys.executable, "-m", "kproxy.cli", "cleanup"]
+
+    dry = run_in(netns, *kproxy, "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    listed = json.loads(dry.stdout)["removed"]
+    listed_chains = {o["name"] for o in listed if o["kind"] == "iptables-chain"}
+    assert listed_chains == OURS
+    assert all(o["reason"] for o in listed)
+    jumps = [o for o in listed if o["kind"] == "iptables-rule"]
+    # Foreign rules that jump into our chains go too (CALI-INPUT -> KUBE-SERVICES); others stay.
+    assert any("CALI-INPUT" in o["name"] for o in jumps)
+    assert not any("KUBE-FIREWALL" in o["name"] or "OTHER-NAT" in o["name"] for o in jumps)
+    assert chains(netns, flavour) >= OURS, "a dry run changes nothing"
+
+    done = run_in(netns, *kproxy)
+    assert done.returncode == 0, done.stderr
+    left = chains(netns, flavour)
+    assert not (OURS & left)
+    assert left >= THEIRS
+    rules = run_in(netns, f"iptables-{flavour}-save").stdout
+    assert "-A INPUT -j KUBE-FIREWALL" in rules and "-A INPUT -j CALI-INPUT" in rules
+    assert "-A OTHER-NAT -d 192.0.2.1/32 -j RETURN" in rules
+
+    again = run_in(netns, *kproxy)
+    assert "nothing to remove" in again.stdout

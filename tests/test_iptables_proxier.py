@@ -1,0 +1,206 @@
+"""iptables mode apply logic (full/partial/pieces/failure) against a recording fake backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kproxy.dataplane.base import SyncError
+from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.iptables import names
+from kproxy.dataplane.iptables.backend import RestoreError
+from kproxy.dataplane.iptables.proxier import IptablesDataplane
+from kproxy.model.objects import ServicePortName
+from kproxy.model.snapshot import ChangeTracker
+from kproxy.sources.base import ObjectEvent, ObjectKey
+from tests.objects import endpoint, endpoint_slice, port, service
+
+
+class FakeBackend:
+    """Records restore inputs; remembers chains/jump rules the way the kernel would."""
+
+    def __init__(self, flavour: str = "nft") -> None:
+        self.flavour = flavour
+        self.restores: list[str] = []
+        self.nat_chains: set[str] = set()
+        self.rules_present: set[tuple[str, str]] = set()
+        self.fail_next: str | None = None
+
+    def restore(self, data: str, *, noflush: bool = True, counters: bool = True) -> None:
+        assert noflush, "kproxy never restores without --noflush"
+        if self.fail_next is not None:
+            bad, self.fail_next = self.fail_next, None
+            raise RestoreError(
+                tool="iptables-nft-restore",
+                command=["iptables-nft-restore"],
+                returncode=1,
+                stderr=f"iptables-nft-restore: line {bad} failed",
+                input_data=data,
+            )
+        self.restores.append(data)
+        table = ""
+        for line in data.splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif line.startswith(":") and table == "nat":
+                self.nat_chains.add(line[1:].split()[0])
+            elif line.startswith("-X "):
+                self.nat_chains.discard(line[3:])
+            elif line.startswith(("-I ", "-A ")) and line.split()[1] in (
+                "INPUT",
+                "FORWARD",
+                "OUTPUT",
+                "PREROUTING",
+                "POSTROUTING",
+            ):
+                self.rules_present.add((table, line[3:]))
+
+    def chains(self, table: str) -> set[str]:
+        return set(self.nat_chains) if table == "nat" else set()
+
+    def check_rule(self, table: str, spec: list[str]) -> bool:
+        import shlex
+
+        return (table, shlex.join(spec).replace("'", '"')) in self.rules_present
+
+
+def tracker_with(*objects: dict) -> ChangeTracker:
+    t = ChangeTracker("node1")
+    apply(t, *objects)
+    return t
+
+
+def apply(t: ChangeTracker, *objects: dict) -> None:
+    t.apply(
+        [
+            ObjectEvent(
+                ObjectKey(
+                    o["kind"], o["metadata"].get("namespace", "default"), o["metadata"]["name"]
+                ),
+                o,
+            )
+            for o in objects
+        ]
+    )
+
+
+def svc(i: int, eps: int = 2, first: int = 2) -> list[dict]:
+    name = f"s{i}"
+    return [
+        service(name, f"10.96.{i // 250}.{i % 250 + 1}", [port("http", 80, 8080)]),
+        endpoint_slice(
+            name,
+            [endpoint(f"10.244.{i // 250}.{first + j}") for j in range(eps)],
+            [port("http", 8080)],
+        ),
+    ]
+
+
+@pytest.fixture
+def dp(tmp_path: Path) -> tuple[IptablesDataplane, FakeBackend]:
+    backend = FakeBackend()
+    plane = IptablesDataplane(
+        backend,  # type: ignore[arg-type]
+        NodeFacts(node_ips=("10.100.0.1",)),
+        RuleOptions(cluster_cidrs=("10.244.0.0/16",)),
+        state_dir=tmp_path,
+    )
+    return plane, backend
+
+
+def test_first_sync_is_full_and_inserts_missing_jumps_once(
+    dp: tuple[IptablesDataplane, FakeBackend],
+) -> None:
+    plane, backend = dp
+    t = tracker_with(*svc(1))
+    result = plane.sync(t.snapshot(), full=False)  # nothing applied yet: forced full
+    assert result.full
+    first = backend.restores[-1]
+    assert "*filter" in first and "*nat" in first
+    assert (
+        '-I PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES' in first
+    )
+    assert "-A INPUT -j KUBE-FIREWALL" in first
+    plane.sync(t.snapshot(), full=True)
+    assert "-I " not in backend.restores[-1], "jumps already in place are not added again"
+
+
+def test_partial_sync_writes_only_the_changed_service(
+    dp: tuple[IptablesDataplane, FakeBackend],
+) -> None:
+    plane, backend = dp
+    t = tracker_with(*svc(1), *svc(2))
+    plane.sync(t.snapshot(), full=True)
+    old_seps = {c for c in backend.nat_chains if c.startswith(names.SEP_PREFIX)}
+    apply(t, svc(2, first=10)[1])  # s2's endpoints move
+    result = plane.sync(t.snapshot(), full=False)
+    assert not result.full and result.rewritten == 1
+    data = backend.restores[-1]
+    assert "*filter" not in data, "filter rules did not change, so the table is left alone"
+    s1 = names.SVC_PREFIX + names.port_proto_hash(ServicePortName("default", "s1", "http"))
+    s2 = names.SVC_PREFIX + names.port_proto_hash(ServicePortName("default", "s2", "http"))
+    assert f":{s2} - [0:0]" in data and s1 not in data
+    assert "-A KUBE-SERVICES" not in data, "KUBE-SERVICES unchanged: not rewritten"
+    stale = sorted(old_seps - {c for c in backend.nat_chains})
+    assert len(stale) == 2 and all(f"-X {c}" in data for c in stale)
+
+
+def test_sync_without_changes_applies_nothing(dp: tuple[IptablesDataplane, FakeBackend]) -> None:
+    plane, backend = dp
+    t = tracker_with(*svc(1))
+    plane.sync(t.snapshot(), full=True)
+    n = len(backend.restores)
+    plane.sync(t.snapshot(), full=False)
+    assert len(backend.restores) == n
+
+
+def test_new_service_rewrites_kube_services(dp: tuple[IptablesDataplane, FakeBackend]) -> None:
+    plane, backend = dp
+    t = tracker_with(*svc(1))
+    plane.sync(t.snapshot(), full=True)
+    apply(t, *svc(2))
+    plane.sync(t.snapshot(), full=False)
+    data = backend.restores[-1]
+    assert ":KUBE-SERVICES - [0:0]" in data and data.count('cluster IP" -m tcp') >= 2
+
+
+def test_large_full_sync_on_nft_is_loaded_in_ordered_pieces(tmp_path: Path) -> None:
+    backend = FakeBackend("nft")
+    plane = IptablesDataplane(
+        backend,  # type: ignore[arg-type]
+        NodeFacts(node_ips=("10.100.0.1",)),
+        RuleOptions(cluster_cidrs=("10.244.0.0/16",)),
+        piece_services=100,
+    )
+    objects = [o for i in range(600) for o in svc(i, eps=1)]
+    t = tracker_with(*objects)
+    result = plane.sync(t.snapshot(), full=True)
+    assert result.pieces == 7
+    pieces = backend.restores
+    # Service chains first (nat only, no top-level chain touched), top-level chains last.
+    for piece in pieces[:-1]:
+        assert "*filter" not in piece and ":KUBE-SERVICES " not in piece
+    assert ":KUBE-SERVICES - [0:0]" in pieces[-1] and "*filter" in pieces[-1]
+    assert sum(p.count(":KUBE-SVC-") for p in pieces) == 600
+    # A legacy backend rewrites the whole table per restore anyway: one piece there.
+    legacy = FakeBackend("legacy")
+    plane2 = IptablesDataplane(legacy, NodeFacts(), RuleOptions(), piece_services=100)  # type: ignore[arg-type]
+    assert plane2.sync(t.snapshot(), full=True).pieces == 1
+
+
+def test_failed_restore_keeps_input_and_forces_full_sync(
+    dp: tuple[IptablesDataplane, FakeBackend], tmp_path: Path
+) -> None:
+    plane, backend = dp
+    t = tracker_with(*svc(1))
+    plane.sync(t.snapshot(), full=True)
+    apply(t, svc(1, first=20)[1])
+    backend.fail_next = "3"
+    with pytest.raises(SyncError, match="line 3"):
+        plane.sync(t.snapshot(), full=False)
+    kept = (tmp_path / "iptables-failed-restore.txt").read_text()
+    assert "KUBE-SEP-" in kept
+    assert "line 3" in (tmp_path / "iptables-failed-restore.error").read_text()
+    result = plane.sync(t.snapshot(), full=False)
+    assert result.full, "after a failure the next sync is full"

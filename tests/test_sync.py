@@ -1,0 +1,127 @@
+"""The sync loop's policy (full vs partial, failure handling, UDP conntrack) with fakes."""
+
+from __future__ import annotations
+
+import time
+
+from kproxy.dataplane.base import SyncError, SyncResult
+from kproxy.model.objects import Snapshot
+from kproxy.model.snapshot import ChangeTracker
+from kproxy.sources.base import ObjectEvent, ObjectKey
+from kproxy.sync import ProxyLoop, udp_serving_map
+from tests.objects import endpoint, endpoint_slice, port, service
+
+
+class FakeDataplane:
+    mode = "fake"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, int]] = []
+        self.fail = False
+
+    def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult:
+        self.calls.append((full, len(snapshot.services)))
+        if self.fail:
+            raise SyncError("kernel said no")
+        return SyncResult(full=full, services=len(snapshot.services))
+
+    def owned(self) -> list:
+        return []
+
+    def cleanup(self, *, dry_run: bool = False) -> list:
+        return []
+
+
+class ListSource:
+    def __init__(self, objects: list[dict]) -> None:
+        self.objects = objects
+        self.synced = False
+
+    def start(self, sink) -> None:
+        sink([event(o) for o in self.objects])
+        self.synced = True
+
+    def stop(self) -> None:
+        pass
+
+
+def event(o: dict, deleted: bool = False) -> ObjectEvent:
+    meta = o["metadata"]
+    return ObjectEvent(
+        ObjectKey(o["kind"], meta.get("namespace", "default"), meta["name"]), None if deleted else o
+    )
+
+
+def udp_objects(ips: list[str]) -> list[dict]:
+    return [
+        service("dns", "10.96.0.53", [port("dns", 53, 8080, protocol="UDP")], type="NodePort"),
+        endpoint_slice("dns", [endpoint(ip) for ip in ips], [port("dns", 8080, protocol="UDP")]),
+    ]
+
+
+def make_loop(plane: FakeDataplane, cleaned: list) -> ProxyLoop:
+    return ProxyLoop(
+        ChangeTracker("node1"),
+        plane,
+        min_sync_period=0.0,
+        sync_period=0.2,
+        udp_cleaner=lambda ips, ports: cleaned.append((ips, ports)) or 3,
+    )
+
+
+def test_first_sync_full_then_partial_on_changes() -> None:
+    plane = FakeDataplane()
+    cleaned: list = []
+    loop = make_loop(plane, cleaned)
+    loop.start(ListSource(udp_objects(["10.244.0.2", "10.244.0.3"])))
+    try:
+        assert plane.calls[0] == (True, 1)
+        loop.on_events([event(udp_objects(["10.244.0.2"])[1])])
+        deadline = time.monotonic() + 3
+        while len([c for c in plane.calls if not c[0]]) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (False, 1) in plane.calls
+        assert not loop.pending
+        # UDP endpoints changed: the cleaner ran with the serving endpoints only.
+        ips, ports = cleaned[-1]
+        assert ips[("10.96.0.53", 53)] == {"10.244.0.2"}
+        assert loop.status.conntrack_deleted >= 3
+    finally:
+        loop.stop()
+
+
+def test_failure_keeps_going_and_next_sync_is_full() -> None:
+    plane = FakeDataplane()
+    loop = make_loop(plane, [])
+    loop.start(ListSource(udp_objects(["10.244.0.2"])))
+    try:
+        plane.fail = True
+        loop.on_events([event(udp_objects(["10.244.0.9"])[1])])
+        deadline = time.monotonic() + 3
+        while loop.status.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.status.failures >= 1 and "kernel said no" in (loop.status.last_error or "")
+        assert loop.pending, "the change is still pending after a failed apply"
+        plane.fail = False
+        deadline = time.monotonic() + 3
+        while loop.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not loop.pending
+        first_ok_after_failure = [c for c in plane.calls[2:]]
+        assert first_ok_after_failure and all(full for full, _ in first_ok_after_failure[:2])
+    finally:
+        loop.stop()
+
+
+def test_udp_serving_map_covers_every_destination() -> None:
+    t = ChangeTracker("node1")
+    objs = udp_objects(["10.244.0.2", "10.244.0.3"])
+    objs[0]["spec"]["ports"][0]["nodePort"] = 30053
+    objs[0]["spec"]["externalIPs"] = ["10.99.0.53"]
+    t.apply([event(o) for o in objs])
+    ips, ports = udp_serving_map(t.snapshot())
+    assert ips == {
+        ("10.96.0.53", 53): {"10.244.0.2", "10.244.0.3"},
+        ("10.99.0.53", 53): {"10.244.0.2", "10.244.0.3"},
+    }
+    assert ports == {30053: {"10.244.0.2", "10.244.0.3"}}
