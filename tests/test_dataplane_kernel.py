@@ -48,6 +48,7 @@ class Env:
     proxy: ProxyProcess
     mode: str
     backend: str
+    config: Path
 
     def client(self, i: int = 0):
         return self.lab.agent(self.lab.client_ns[i])
@@ -73,7 +74,7 @@ def env(request: pytest.FixtureRequest, lab: Lab, tmp_path: Path) -> Iterator[En
         args=["--iptables-backend", backend],
         workdir=tmp_path / "kproxy",
     )
-    e = Env(lab, source, proxy, mode, backend)
+    e = Env(lab, source, proxy, mode, backend, config)
     try:
         yield e
     finally:
@@ -363,6 +364,19 @@ def test_kill_9_keeps_traffic_and_restart_fails_no_request(env: Env) -> None:
         t.join()
     assert sent > 20
     assert failures == [], f"{len(failures)} of {sent} requests failed across the restart"
+
+
+def test_rules_flushed_by_someone_else_come_back(env: Env) -> None:
+    env.config.write_text(CONFIG.format(mode=env.mode).replace("syncPeriod: 30s", "syncPeriod: 1s"))
+    web(env)
+    env.proxy.start()
+    client = env.client()
+    # A firewall reload: the whole nat table is flushed and its chains deleted.
+    env.lab.exec(env.lab.node_ns, [f"iptables-{env.backend}", "-t", "nat", "-F"])
+    env.lab.exec(env.lab.node_ns, [f"iptables-{env.backend}", "-t", "nat", "-X"])
+    assert not client.request(proto="tcp", dst="10.96.0.10", port=80, timeout=0.3).ok
+    # The canary is gone, so the next periodic sync is a full one and restores everything.
+    wait_until(lambda: client.request(proto="tcp", dst="10.96.0.10", port=80, timeout=0.3).ok, 5.0)
 
 
 def rules(env: Env) -> list[str]:

@@ -25,6 +25,9 @@ class FakeDataplane:
             raise SyncError("kernel said no")
         return SyncResult(full=full, services=len(snapshot.services))
 
+    def drifted(self) -> bool:
+        return False
+
     def owned(self) -> list:
         return []
 

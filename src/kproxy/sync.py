@@ -71,6 +71,7 @@ class ProxyLoop:
         self._force_full = True
         self._applied: Snapshot | None = None
         self._applied_generation = -1
+        self._last_drift_check = time.monotonic()
         self.runner = BoundedFrequencyRunner(
             "sync",
             self.sync_once,
@@ -119,6 +120,7 @@ class ProxyLoop:
                 self._force_full
                 or self.status.last_full_sync is None
                 or now - self.status.last_full_sync >= self.full_sync_period
+                or self._drifted()
             )
             started = time.monotonic()
             try:
@@ -159,6 +161,15 @@ class ProxyLoop:
             if self.on_synced is not None:
                 self.on_synced(snapshot, result)
             return True
+
+    def _drifted(self) -> bool:
+        # At most once per sync period: the check costs a process (and a table read on big
+        # nft-backend tables), which must not land on every partial sync.
+        now = time.monotonic()
+        if now - self._last_drift_check < self.sync_period:
+            return False
+        self._last_drift_check = now
+        return self.dataplane.drifted()
 
     def _record_failure(self, message: str) -> None:
         st = self.status

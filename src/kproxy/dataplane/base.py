@@ -57,6 +57,9 @@ class Dataplane(Protocol):
 
     def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult: ...
 
+    def drifted(self) -> bool:
+        """Did someone else remove our state (e.g. a firewall reload)? Then a full sync is due."""
+
     def owned(self) -> list[OwnedObject]:
         """Kernel state of this mode that exists now (kproxy's or upstream kube-proxy's)."""
 

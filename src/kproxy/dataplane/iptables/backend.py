@@ -426,6 +426,19 @@ class IptablesBackend:
 
     # -- single rules (cleanup tooling) -----------------------------------------------------
 
+    def chain_exists(self, table: str, chain: str) -> bool:
+        """Does the chain exist? (`iptables -t T -S CHAIN`: cheap, lists one chain.)"""
+        argv = [self.iptables_bin, *self.command_wait_flags(), "-t", table, "-S", chain]
+        proc = self._run(argv)
+        if proc.returncode == 0:
+            return True
+        if proc.returncode == 1 or "does not exist" in proc.stderr or "No chain" in proc.stderr:
+            return False
+        raise IptablesError(
+            f"{self.iptables_bin} -S {chain} failed with exit code {proc.returncode}: "
+            f"{proc.stderr.strip()}",
+            command=in_netns(argv, self.netns), returncode=proc.returncode, stderr=proc.stderr)
+
     def _rule_command(self, op: str, table: str, spec: Sequence[str]) -> list[str]:
         if not spec:
             raise ValueError("a rule spec starts with its chain")

@@ -42,6 +42,7 @@ log = logging.getLogger("kproxy.iptables")
 
 # Services per piece when a large full sync is split (nft backend only).
 PIECE_SERVICES = 250
+CANARY_CHAIN = "KUBE-PROXY-CANARY"
 SPLIT_THRESHOLD = 500
 
 
@@ -96,6 +97,10 @@ class IptablesDataplane:
         include_filter = full or applied is None or plan.filter_rules != applied.filter_rules
         include_nat_top = full or applied is None or plan.nat_top_rules != applied.nat_top_rules
         jumps = self._missing_jumps() if full else []
+        if full:
+            # The canary: an empty chain whose disappearance means someone flushed the table
+            # under us (a firewall reload); upstream creates the same chain for the same reason.
+            jumps.append(("nat", f":{CANARY_CHAIN} - [0:0]"))
         pieces = self._pieces(plan, include_filter, include_nat_top, jumps, split=full)
         for i, data in enumerate(pieces):
             try:
@@ -175,6 +180,22 @@ class IptablesDataplane:
             )
         return pieces
 
+    def drifted(self) -> bool:
+        """True when the kernel lost our state behind our back (the canary chain is gone)."""
+        if self._applied is None:
+            return False
+        try:
+            present = self.backend.chain_exists("nat", CANARY_CHAIN)
+        except IptablesError as err:
+            log.warning("cannot check the canary chain: %s", err)
+            return False
+        if not present:
+            log.warning(
+                "canary chain %s is gone: rules were flushed by someone else; full resync",
+                CANARY_CHAIN,
+            )
+        return not present
+
     def _missing_jumps(self) -> list[tuple[str, str]]:
         """Jump rules from built-in chains that are not in place, as restore lines."""
         wanted: list[tuple[str, str, str]] = []  # (table, position verb, rule)
@@ -232,9 +253,10 @@ def _with_jumps(text: str, jump_lines: dict[str, list[str]]) -> str:
     out: list[str] = []
     table = ""
     for line in text.splitlines():
+        if line == "COMMIT":
+            out += [j for j in jump_lines.get(table, []) if not j.startswith(":")]
+        out.append(line)
         if line.startswith("*"):
             table = line[1:]
-        if line == "COMMIT":
-            out += jump_lines.get(table, [])
-        out.append(line)
+            out += [j for j in jump_lines.get(table, []) if j.startswith(":")]
     return "\n".join(out) + "\n"

@@ -1,0 +1,287 @@
+"""Full and partial syncs of IptablesDataplane in fresh namespaces, against the bare restore.
+
+One repeat at one size on one backend is:
+
+1. ours, in a fresh namespace A: initial full sync (empty tables), resync (a full sync over
+   the populated tables, same dataplane: the periodic full sync), then a one-service
+   partial sync (the 10 endpoints of one service replaced through a ChangeTracker event);
+2. bare, in a fresh namespace B: the exact restore inputs the dataplane sent in step 1,
+   each fed to `iptables-<flavour>-restore --noflush`, in the same order, so every timed
+   load starts from the same kernel state as ours did;
+3. nft only, at sizes <= GIANT_MAX: the same initial input merged into ONE restore, in a
+   fresh namespace C (what the sync would cost without splitting).
+
+Namespaces are deleted after use and the machine is left to go quiet before the next load.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from bench import netns, workload
+from bench.stats import ONCE_ABOVE, Stat
+from kproxy.dataplane.facts import RuleOptions
+from kproxy.dataplane.iptables import names
+from kproxy.dataplane.iptables.backend import IptablesBackend
+from kproxy.dataplane.iptables.proxier import IptablesDataplane
+from kproxy.dataplane.iptables.render import IptablesPlan
+from kproxy.model.objects import ServicePortName, Snapshot
+from kproxy.model.snapshot import ChangeTracker
+
+GIANT_MAX = 5000  # one-restore nft loads above this take ~10 min (lab §2.2): not run
+GIANT_REPEAT_MAX = 2000  # above this the one-restore nft load is run once
+KINDS = ("initial", "resync", "partial")
+PARTS = ("plan", "save", "check", "restore", "other")
+
+
+class TimedBackend(IptablesBackend):
+    """The production backend, recording each restore input and the time per tool call."""
+
+    def __init__(self, flavour: str, ns: str) -> None:
+        super().__init__(flavour, netns=ns)
+        self.inputs: list[str] = []
+        self.spent: dict[str, float] = defaultdict(float)
+
+    def restore(self, data: str, *, noflush: bool = True, counters: bool = True) -> None:
+        t0 = time.perf_counter()
+        try:
+            super().restore(data, noflush=noflush, counters=counters)
+        finally:
+            self.spent["restore"] += time.perf_counter() - t0
+        self.inputs.append(data)
+
+    def chains(self, table: str) -> set[str]:
+        t0 = time.perf_counter()
+        try:
+            return super().chains(table)
+        finally:
+            self.spent["save"] += time.perf_counter() - t0
+
+    def check_rule(self, table: str, spec: Sequence[str]) -> bool:
+        t0 = time.perf_counter()
+        try:
+            return super().check_rule(table, spec)
+        finally:
+            self.spent["check"] += time.perf_counter() - t0
+
+    def take(self) -> tuple[list[str], dict[str, float]]:
+        inputs, spent = self.inputs, dict(self.spent)
+        self.inputs, self.spent = [], defaultdict(float)
+        return inputs, spent
+
+
+@dataclass
+class SyncFigures:
+    backend: str
+    size: int
+    ours: dict[str, Stat] = field(default_factory=lambda: {k: Stat() for k in KINDS})
+    bare: dict[str, Stat] = field(default_factory=lambda: {k: Stat() for k in KINDS})
+    # per kind, per part (plan/save/check/restore/other): seconds of each repeat
+    parts: dict[str, dict[str, Stat]] = field(
+        default_factory=lambda: {k: {p: Stat() for p in PARTS} for k in KINDS})
+    snapshot: Stat = field(default_factory=Stat)  # tracker.snapshot() after the change
+    giant: Stat = field(default_factory=Stat)  # nft: the initial input as one restore
+    pieces: dict[str, int] = field(default_factory=dict)
+    input_bytes: dict[str, int] = field(default_factory=dict)
+    input_lines: dict[str, int] = field(default_factory=dict)
+    rules_in_kernel: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "backend": self.backend, "size": self.size,
+            "ours": {k: v.to_json() for k, v in self.ours.items()},
+            "bare": {k: v.to_json() for k, v in self.bare.items()},
+            "parts": {k: {p: s.to_json() for p, s in v.items()} for k, v in self.parts.items()},
+            "snapshot": self.snapshot.to_json(), "giant": self.giant.to_json(),
+            "pieces": self.pieces, "input_bytes": self.input_bytes,
+            "input_lines": self.input_lines, "rules_in_kernel": self.rules_in_kernel,
+            "problems": self.problems,
+        }
+
+
+def bare_restore(ns: str, flavour: str, inputs: Sequence[str]) -> float:
+    """Feed inputs one after the other to iptables-<flavour>-restore --noflush; seconds."""
+    argv = netns.exec_argv(ns, [f"iptables-{flavour}-restore", "--noflush"])
+    t0 = time.perf_counter()
+    for i, data in enumerate(inputs):
+        proc = subprocess.run(argv, input=data, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bare restore {i + 1}/{len(inputs)} in {ns} failed: "
+                               f"{proc.stderr.strip()[:500]}")
+    return time.perf_counter() - t0
+
+
+def merge_pieces(pieces: Sequence[str]) -> str:
+    """The pieces of a split sync as one restore input: per table all declarations, then
+    all rules (jumps included), then the -X lines."""
+    tables: dict[str, tuple[list[str], list[str], list[str]]] = {}
+    current: tuple[list[str], list[str], list[str]] | None = None
+    for piece in pieces:
+        for line in piece.splitlines():
+            if line.startswith("*"):
+                current = tables.setdefault(line[1:], ([], [], []))
+            elif line == "COMMIT" or current is None:
+                current = None if line == "COMMIT" else current
+            elif line.startswith(":"):
+                current[0].append(line)
+            elif line.startswith("-X "):
+                current[2].append(line)
+            else:
+                current[1].append(line)
+    out: list[str] = []
+    for table in sorted(tables, key=lambda t: (t != "filter", t)):
+        decls, rules, deletes = tables[table]
+        out += [f"*{table}", *dict.fromkeys(decls), *rules, *deletes, "COMMIT"]
+    return "\n".join(out) + "\n"
+
+
+def count_rules(ns: str, flavour: str) -> dict[str, int]:
+    """'-A' lines per table, from a full save (a full legacy save creates no tables)."""
+    proc = subprocess.run(netns.exec_argv(ns, [f"iptables-{flavour}-save"]),
+                          capture_output=True, text=True, check=True)
+    counts: dict[str, int] = {}
+    table = ""
+    for line in proc.stdout.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+            counts[table] = 0
+        elif line.startswith("-A "):
+            counts[table] += 1
+    return counts
+
+
+class _Timed:
+    """Wraps the dataplane's renderer.plan to time the planning inside a sync."""
+
+    def __init__(self, dp: IptablesDataplane) -> None:
+        self.seconds = 0.0
+        self._plan = dp.renderer.plan
+        dp.renderer.plan = self  # type: ignore[method-assign]
+
+    def __call__(self, snapshot: Snapshot, *, rewrite: set[ServicePortName] | None = None,
+                 existing_chains: Iterable[str] = ()) -> IptablesPlan:
+        t0 = time.perf_counter()
+        try:
+            return self._plan(snapshot, rewrite=rewrite, existing_chains=existing_chains)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _settle(flavour: str, size: int) -> None:
+    heavy = flavour == "nft" and size >= 5000
+    netns.wait_quiet(min_wait=10.0 if heavy else 1.0)
+
+
+class SyncBench:
+    def __init__(self, flavour: str, size: int, options: RuleOptions, log: Callable[[str], None]) -> None:
+        self.flavour = flavour
+        self.size = size
+        self.options = options
+        self.log = log
+        self.fig = SyncFigures(flavour, size)
+        self.tracker: ChangeTracker = workload.tracker(size)
+        self._generation = 0
+
+    def run(self, repeats: int, *, giant: bool) -> SyncFigures:
+        for r in range(repeats):
+            inputs = self._ours(r)
+            _settle(self.flavour, self.size)
+            self._bare(inputs, check=(r == 0))
+            _settle(self.flavour, self.size)
+            slow = any(self.fig.ours[k].values[-1] > ONCE_ABOVE for k in KINDS)
+            if slow:
+                for k in KINDS:
+                    self.fig.ours[k].note = "1 run: slower than 60 s"
+                break
+        if giant and self.flavour == "nft":
+            self._giant(repeats)
+        return self.fig
+
+    # -- ours -------------------------------------------------------------------------------
+
+    def _ours(self, r: int) -> dict[str, list[str]]:
+        fig = self.fig
+        inputs: dict[str, list[str]] = {}
+        with netns.fresh() as ns:
+            backend = TimedBackend(self.flavour, ns)
+            backend.version()  # the daemon reads it (random-fully) before its first sync
+            names.port_proto_hash.cache_clear()  # a fresh process has no name cache either
+            dp = IptablesDataplane(backend, workload.facts(), self.options)
+            timer = _Timed(dp)
+            snap = self.tracker.snapshot()
+            for kind in KINDS:
+                if kind == "partial":
+                    t0 = time.perf_counter()
+                    snap = self._change(r)
+                    fig.snapshot.add(time.perf_counter() - t0)
+                timer.seconds = 0.0
+                t0 = time.perf_counter()
+                result = dp.sync(snap, full=(kind != "partial"))
+                took = time.perf_counter() - t0
+                fig.ours[kind].add(took)
+                data, spent = backend.take()
+                inputs[kind] = data
+                spent["plan"] = timer.seconds
+                spent["other"] = took - sum(spent.get(p, 0.0) for p in PARTS if p != "other")
+                for p in PARTS:
+                    fig.parts[kind][p].add(spent.get(p, 0.0))
+                fig.pieces[kind] = result.pieces
+                fig.input_bytes[kind] = sum(len(d) for d in data)
+                fig.input_lines[kind] = sum(d.count("\n") for d in data)
+                if kind == "partial" and result.rewritten != 1:
+                    fig.problems.append(f"partial rewrote {result.rewritten} services, not 1")
+                self.log(f"    {self.flavour} {self.size} #{r + 1} ours {kind}: {took:.3f} s "
+                         f"({result.pieces} piece(s))")
+            if r == 0:
+                fig.rules_in_kernel = count_rules(ns, self.flavour)
+        return inputs
+
+    def _change(self, r: int) -> Snapshot:
+        self._generation += 1
+        i = (r * 7919 + 17) % self.size
+        return workload.change_one(self.tracker, i, self._generation)
+
+    # -- bare -------------------------------------------------------------------------------
+
+    def _bare(self, inputs: dict[str, list[str]], *, check: bool) -> None:
+        with netns.fresh() as ns:
+            for kind in KINDS:
+                took = bare_restore(ns, self.flavour, inputs[kind])
+                self.fig.bare[kind].add(took)
+                self.log(f"    {self.flavour} {self.size} bare {kind}: {took:.3f} s")
+            if check:
+                counts = count_rules(ns, self.flavour)
+                if counts != self.fig.rules_in_kernel:
+                    self.fig.problems.append(
+                        f"bare restores left {counts} rules, the dataplane "
+                        f"{self.fig.rules_in_kernel}")
+
+    # -- one giant restore (nft) ------------------------------------------------------------
+
+    def _giant(self, repeats: int) -> None:
+        if self.size > GIANT_MAX:
+            self.fig.giant.note = "not run"
+            return
+        with netns.fresh() as ns:
+            backend = TimedBackend(self.flavour, ns)
+            dp = IptablesDataplane(backend, workload.facts(), self.options)
+            dp.sync(self.tracker.snapshot(), full=True)
+            pieces, _ = backend.take()
+        data = merge_pieces(pieces)
+        runs = 1 if self.size > GIANT_REPEAT_MAX else repeats
+        for _ in range(runs):
+            _settle(self.flavour, 5000)
+            with netns.fresh() as ns:
+                self.log(f"    {self.flavour} {self.size} bare one-restore full load "
+                         f"({len(data) / 1e6:.1f} MB)...")
+                took = bare_restore(ns, self.flavour, [data])
+                self.fig.giant.add(took)
+                self.log(f"    {self.flavour} {self.size} bare one-restore: {took:.2f} s")
+            if took > ONCE_ABOVE:
+                break
+        _settle(self.flavour, 5000)
