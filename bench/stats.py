@@ -47,7 +47,7 @@ def repeat(fn: Callable[[], float], repeats: int, *, once_above: float = ONCE_AB
 def fmt_s(value: float | None) -> str:
     """Seconds for a table: ms below 1 s."""
     if value is None:
-        return "–"
+        return "-"
     if value < 1.0:
         return f"{value * 1000:.1f} ms" if value < 0.1 else f"{value * 1000:.0f} ms"
     return f"{value:.2f} s" if value < 100 else f"{value:.0f} s"
@@ -55,7 +55,7 @@ def fmt_s(value: float | None) -> str:
 
 def fmt_stat(st: Stat | None) -> str:
     if st is None or st.median is None:
-        return st.note if st is not None and st.note else "–"
+        return st.note if st is not None and st.note else "-"
     text = fmt_s(st.median)
     if st.once:
         text += " (1 run)"

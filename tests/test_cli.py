@@ -133,3 +133,11 @@ def test_help_explains(command: list[str]) -> None:
     proc = kproxy(*command, "--help")
     assert proc.returncode == 0
     assert "Usage" in proc.stdout and len(proc.stdout) > 200
+
+
+def test_run_rejects_unknown_and_bad_kube_proxy_flags() -> None:
+    unknown = kproxy("run", "--source", str(EXAMPLES), "--iptables-sync-periodd=1s")
+    assert unknown.returncode == 2 and "unknown flag --iptables-sync-periodd" in unknown.stderr
+    bad = kproxy("run", "--source", str(EXAMPLES), "--conntrack-max-per-core=lots")
+    assert bad.returncode == 2 and "--conntrack-max-per-core" in bad.stderr
+    assert "Traceback" not in unknown.stderr + bad.stderr

@@ -7,6 +7,7 @@ Incremental ChangeTracker behaviour, rejections and fuzzing live in test_model_t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -234,6 +235,20 @@ class TestEndpointAddr:
     def test_ipv6_gets_brackets_like_join_host_port(self) -> None:
         assert Endpoint("fd00::1", 8080).addr == "[fd00::1]:8080"
 
+    @pytest.mark.xfail(
+        strict=True,
+        reason="BUG: Endpoint.addr is an init field, so dataclasses.replace() copies a stale "
+        "addr (make it field(init=False, compare=False) and always set it in __post_init__)",
+    )
+    def test_addr_follows_replace(self) -> None:
+        ep = Endpoint("10.0.0.1", 80)
+        assert dataclasses.replace(ep, port=81).addr == "10.0.0.1:81"
+        assert dataclasses.replace(ep, ip="10.0.0.2").addr == "10.0.0.2:80"
+
+    def test_addr_is_not_part_of_equality(self) -> None:
+        assert Endpoint("10.0.0.1", 80) == Endpoint("10.0.0.1", 80)
+        assert Endpoint("10.0.0.1", 80) != Endpoint("10.0.0.1", 81)
+
     def test_defaults_match_upstream_nil_conditions(self) -> None:
         ep = Endpoint("10.0.0.1", 80)
         assert (ep.ready, ep.serving, ep.terminating, ep.is_local) == (True, True, False, False)
@@ -317,6 +332,61 @@ class TestServiceParsing:
     def test_named_target_port_kept_as_name(self) -> None:
         parsed = parse_service(service(ports=[sport("", 80, target="web")]))
         assert parsed.ports[0].target_port == "web"
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="BUG: parse.py _PORT_NAME allows 15 chars; Service port names are DNS-1123 "
+        "labels (63 chars) upstream, so valid Services are rejected",
+    )
+    def test_long_port_name_is_valid(self) -> None:
+        name = "grpc-web-metrics-port"  # 21 characters, a valid DNS-1123 label
+        s = snap(service(ports=[sport(name, 80), sport("x" * 63, 81)]))
+        assert set(s.services) == {spn(port=name), spn(port="x" * 63)}
+        assert s.rejections == ()
+
+    def test_port_name_longer_than_a_dns_label_is_invalid(self) -> None:
+        s = snap(service(ports=[sport("x" * 64, 80)]))
+        assert s.services == {}
+        assert [r.field for r in s.rejections] == ["spec.ports[0].name"]
+
+    def test_sloppy_ipv4_like_upstream(self) -> None:
+        # ParseIPSloppy reads leading-zero octets as decimal.
+        obj = service(
+            cluster_ip="010.096.000.010",
+            svc_type="LoadBalancer",
+            spec={"externalIPs": ["203.0.113.005"], "loadBalancerSourceRanges": ["010.0.0.0/08"]},
+            status={"loadBalancer": {"ingress": [{"ip": "198.51.100.001"}]}},
+        )
+        s = snap(obj, eslice("svc-1", endpoints=[endpoint("10.001.0.01")]))
+        sp = one(s)
+        assert sp.cluster_ip == "10.96.0.10"
+        assert sp.external_ips == ("203.0.113.5",)
+        assert sp.load_balancer_ips == ("198.51.100.1",)
+        assert sp.load_balancer_source_ranges == ("10.0.0.0/8",)
+        assert addrs(sp.endpoints) == ["10.1.0.1:8080"]
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="BUG: parse.py _IPV4 uses \\d (any Unicode digit) and _canonical_cidr uses "
+        "str.isdigit(): non-ASCII digits are read as an IPv4 address / prefix",
+    )
+    @pytest.mark.parametrize(
+        "mutate",
+        [
+            lambda o: o["spec"].update(clusterIP="\u0661\u0660.96.0.10"),
+            lambda o: o["spec"].update(externalIPs=["203.0.113.\u0665"]),
+            lambda o: o["spec"].update(
+                type="LoadBalancer", loadBalancerSourceRanges=["10.0.0.0/\u0668"]
+            ),
+        ],
+        ids=["clusterIP", "externalIP", "sourceRange"],
+    )
+    def test_non_ascii_digits_are_not_an_ip(self, mutate: Any) -> None:
+        obj = service()
+        mutate(obj)
+        s = snap(obj)
+        assert s.services == {}
+        assert len(s.rejections) == 1
 
     def test_namespace_defaults_to_default(self) -> None:
         obj = service()

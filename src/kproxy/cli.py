@@ -215,8 +215,37 @@ def _backend(choice: str):
 # --- run ------------------------------------------------------------------------------------------
 
 
-@app.command()
+EXTRA_FLAGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def parse_extra_flags(args: list[str]) -> dict[str, str]:
+    """The kube-proxy flags without a dedicated option here (e.g. --conntrack-max-per-core=0,
+    --ipvs-scheduler rr, --v=2), so an existing DaemonSet's arguments work unchanged."""
+    from kproxy.config import FLAG_NAMES
+
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) < 3:
+            raise UserError(f"unexpected argument {arg!r}")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+                i += 1
+            else:
+                value = "true"
+        if name not in FLAG_NAMES and name not in ("v", "logtostderr", "alsologtostderr"):
+            raise UserError(f"unknown flag --{name} (see kproxy run --help)")
+        out[name] = value
+        i += 1
+    return out
+
+
+@app.command(context_settings=EXTRA_FLAGS)
 def run(
+    ctx: typer.Context,
     source: SourceOpt,
     config_path: ConfigOpt = None,
     mode: ModeOpt = None,
@@ -244,8 +273,17 @@ def run(
 
     Programs the node's dataplane from --source and keeps it in sync until stopped. On exit
     the rules stay in place: the dataplane outlives the process, and the next start adopts it.
+    Every other kube-proxy flag is accepted in its usual form (--name=value), e.g.
+    --conntrack-max-per-core=0, --oom-score-adj=-999, --config-sync-period=15m.
     """
-    setup_logging(verbose)
+    try:
+        extra = parse_extra_flags(list(ctx.args))
+    except UserError as err:
+        raise fail(str(err)) from None
+    klog_v = extra.pop("v", None)
+    for name in ("logtostderr", "alsologtostderr"):
+        extra.pop(name, None)
+    setup_logging(max(verbose, int(klog_v) if klog_v and klog_v.isdigit() else 0))
     try:
         flags = _iptables_flags(
             mode,
@@ -263,6 +301,7 @@ def run(
         )
         flags["metrics-bind-address"] = metrics_bind
         flags["healthz-bind-address"] = healthz_bind
+        flags.update(extra)
         config, _ = build_config(config_path, flags)  # config.py logs the flags it ignores
         from kproxy.daemon import Daemon
 

@@ -14,6 +14,7 @@ from kproxy.dataplane.iptables.backend import IptablesBackend
 from kproxy.dataplane.iptables.proxier import IptablesDataplane
 from kproxy.dataplane.nodefacts import detect_node_facts
 from kproxy.model.snapshot import ChangeTracker
+from kproxy.node_tuning import apply_conntrack_config, apply_oom_score
 from kproxy.sources.files import FileSource
 from kproxy.sync import ProxyLoop
 from kproxy.sysctl import set_sysctl
@@ -39,6 +40,9 @@ class Daemon:
             raise FileNotFoundError(2, "no such file or folder", str(source))
         self.tracker = ChangeTracker(node_name)
         options = rule_options(config)
+        # Before the node facts are read: tcpBeLiberal changes which rules are written.
+        apply_conntrack_config(config)
+        apply_oom_score(config.oom_score_adj)
         facts = detect_node_facts(backend=backend, node_ips=node_ips)
         log.info(
             "node %s: node IPs %s, iptables backend %s, random-fully %s",

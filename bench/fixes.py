@@ -1,0 +1,42 @@
+"""Bench-side stand-ins for src/ fixes, used only when the production code fails a load.
+
+The bench always tries the production IptablesDataplane first. When it fails in a way
+listed here, the figures of that load come from the patched subclass below and are marked
+"with bench workaround" in BENCHMARKS.md, so a fix in src/ shows up automatically.
+
+Bug 1 (src/kproxy/dataplane/iptables/proxier.py, IptablesDataplane._pieces): on the nft
+backend a full sync of more than SPLIT_THRESHOLD services is split, and the service-chain
+pieces go first. Their KUBE-SVC rules jump to KUBE-MARK-MASQ, which only the later
+top-level piece declares, so in an empty namespace (a fresh node) piece 1 is rejected:
+"Chain 'KUBE-MARK-MASQ' does not exist". The sync then fails forever (every retry is a
+full sync that starts with the same piece).
+Workaround here: the first piece also (re)writes KUBE-MARK-MASQ with its single rule. That
+is an atomic flush-and-rewrite with identical content, so it is harmless on a resync too.
+"""
+
+from __future__ import annotations
+
+from kproxy.dataplane.iptables.proxier import IptablesDataplane
+from kproxy.dataplane.iptables.render import IptablesPlan
+
+BUG1_MESSAGE = "Chain 'KUBE-MARK-MASQ' does not exist"
+
+
+class MarkMasqFirstDataplane(IptablesDataplane):
+    """IptablesDataplane whose split full sync declares KUBE-MARK-MASQ in its first piece."""
+
+    def _pieces(
+        self,
+        plan: IptablesPlan,
+        include_filter: bool,
+        include_nat_top: bool,
+        jumps: list[tuple[str, str]],
+        *,
+        split: bool,
+    ) -> list[str]:
+        pieces = super()._pieces(plan, include_filter, include_nat_top, jumps, split=split)
+        if len(pieces) < 2 or not pieces[0].startswith("*nat\n"):
+            return pieces
+        mark = self.options.masquerade_mark
+        head = f"*nat\n:KUBE-MARK-MASQ - [0:0]\n-A KUBE-MARK-MASQ -j MARK --or-mark {mark}\n"
+        return [head + pieces[0][len("*nat\n"):], *pieces[1:]]
