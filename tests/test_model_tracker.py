@@ -928,3 +928,109 @@ def test_fuzz_tracker_survives_and_counts(
     assert tracker.rejected_total == 0 and s2.rejections == ()
     assert addrs(one(s2, spn("fz", ns="fz")).endpoints) == ["10.3.0.1:8080", "10.3.0.2:8080"]
     assert s2.services[spn("fz", port="dns", ns="fz", proto=Protocol.UDP)].port == 53
+
+
+# --- incremental == from scratch ---------------------------------------------------------------
+
+_SVC_NAMES = ["a", "b", "c"]
+_SLICE_NAMES = ["s1", "s2", "s3"]
+
+
+def _svc_variant(name: str, v: int) -> dict[str, Any]:
+    ip = f"10.96.0.{_SVC_NAMES.index(name) + 1}"
+    if v == 0:
+        return service(name, cluster_ip=ip)
+    if v == 1:
+        return service(name, cluster_ip=ip, ports=[sport("http", 80), sport("https", 443)])
+    if v == 2:
+        return service(
+            name,
+            cluster_ip=ip,
+            svc_type="NodePort",
+            ports=[sport("http", 80, node_port=30000 + v)],
+            spec={"externalTrafficPolicy": "Local"},
+        )
+    if v == 3:
+        return service(name, cluster_ip=ip, spec={"internalTrafficPolicy": "Local"})
+    return service(name, cluster_ip=ip, ports=[sport("http", 0)])  # invalid
+
+
+@st.composite
+def _slice_variant(draw: st.DrawFn, name: str) -> dict[str, Any]:
+    target = draw(st.sampled_from(_SVC_NAMES))
+    eps = []
+    for i in draw(st.lists(st.integers(1, 5), max_size=4, unique=True)):
+        eps.append(
+            endpoint(
+                f"10.1.0.{i}",
+                node=draw(st.sampled_from([NODE_NAME, "node-b", None])),
+                ready=draw(st.sampled_from([None, True, False])),
+                terminating=draw(st.sampled_from([None, True])),
+                zones=draw(st.sampled_from([None, ["z1"], ["z2"]])),
+            )
+        )
+    if draw(st.integers(0, 9)) == 0:
+        eps.append(endpoint("bogus"))  # invalid slice
+    ports = draw(
+        st.sampled_from([[eport("http", 8080)], [eport("http", 8080), eport("https", 8443)]])
+    )
+    return eslice(name, target, endpoints=eps, ports=ports)
+
+
+@st.composite
+def _ops(draw: st.DrawFn) -> list[tuple[ObjectKey, dict[str, Any] | None, bool]]:
+    out = []
+    for _ in range(draw(st.integers(1, 25))):
+        kind = draw(st.sampled_from([SERVICE, ENDPOINT_SLICE, NODE]))
+        gone = draw(st.integers(0, 5)) == 0
+        obj: dict[str, Any] | None
+        if kind == SERVICE:
+            name = draw(st.sampled_from(_SVC_NAMES))
+            obj = None if gone else _svc_variant(name, draw(st.integers(0, 4)))
+            key = ObjectKey(SERVICE, "ns", name)
+        elif kind == ENDPOINT_SLICE:
+            name = draw(st.sampled_from(_SLICE_NAMES))
+            obj = None if gone else draw(_slice_variant(name))
+            key = ObjectKey(ENDPOINT_SLICE, "ns", name)
+        else:
+            obj = None if gone else node(zone=draw(st.sampled_from([None, "z1", "z2"])))
+            key = ObjectKey(NODE, "", NODE_NAME)
+        out.append((key, obj, draw(st.booleans())))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ops())
+def test_incremental_snapshots_equal_a_fresh_build(
+    ops: list[tuple[ObjectKey, dict[str, Any] | None, bool]],
+) -> None:
+    tracker = ChangeTracker(NODE_NAME)
+    world: dict[ObjectKey, dict[str, Any]] = {}
+    prev: Snapshot | None = None
+    dirty = False
+    for key, obj, take in ops:
+        gen = tracker.generation
+        changed = tracker.apply([ObjectEvent(key, copy.deepcopy(obj))])
+        assert tracker.generation == gen + int(changed)
+        dirty |= changed
+        if obj is None:
+            world.pop(key, None)
+        else:
+            world[key] = obj
+        if take:
+            s = tracker.snapshot()
+            fresh = snapshot_from_objects(list(world.values()), NODE_NAME)
+            assert s.services == fresh.services
+            assert s.node == fresh.node
+            assert s.rejections == fresh.rejections
+            if prev is not None and not dirty:
+                assert s.services.keys() == prev.services.keys()
+                assert all(s.services[k] is v for k, v in prev.services.items())
+            prev, dirty = s, False
+    final = tracker.snapshot()
+    fresh = snapshot_from_objects(list(world.values()), NODE_NAME)
+    assert final.services == fresh.services
+    assert final.rejections == fresh.rejections
+    # A second snapshot without changes reuses every ServicePort object.
+    again = tracker.snapshot()
+    assert all(again.services[k] is v for k, v in final.services.items())

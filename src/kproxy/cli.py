@@ -201,17 +201,6 @@ def _iptables_flags(
     }
 
 
-def _backend(choice: str):
-    from kproxy.dataplane.iptables.backend import IptablesBackend, detect_backend
-
-    if choice not in ("auto", "nft", "legacy"):
-        raise UserError(
-            f"--iptables-backend: invalid value {choice!r}: must be auto, nft or legacy"
-        )
-    flavour = detect_backend() if choice == "auto" else choice
-    return IptablesBackend(flavour)
-
-
 # --- run ------------------------------------------------------------------------------------------
 
 
@@ -305,10 +294,12 @@ def run(
         config, _ = build_config(config_path, flags)  # config.py logs the flags it ignores
         from kproxy.daemon import Daemon
 
+        if backend not in ("auto", "nft", "legacy"):
+            raise UserError(f"--iptables-backend: {backend!r} is not auto, nft or legacy")
         daemon = Daemon(
             config,
             source=source,
-            backend=_backend(backend),
+            iptables_backend=backend,
             node_ips=tuple(node_ip or ()),
             state_dir=state_dir,
             node_name=_node_name(config),

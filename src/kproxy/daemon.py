@@ -9,10 +9,7 @@ from pathlib import Path
 
 from kproxy.config import ProxyConfig, rule_options
 from kproxy.conntrack import cleanup_stale_udp
-from kproxy.dataplane.base import Dataplane
-from kproxy.dataplane.iptables.backend import IptablesBackend
-from kproxy.dataplane.iptables.proxier import IptablesDataplane
-from kproxy.dataplane.nodefacts import detect_node_facts
+from kproxy.dataplane.registry import create_dataplane
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.node_tuning import apply_conntrack_config, apply_oom_score
 from kproxy.sources.files import FileSource
@@ -28,30 +25,29 @@ class Daemon:
         config: ProxyConfig,
         *,
         source: Path,
-        backend: IptablesBackend,
         node_name: str,
+        iptables_backend: str = "auto",
         node_ips: tuple[str, ...] = (),
         state_dir: Path | None = None,
     ) -> None:
         self.config = config
         self.node_name = node_name
-        self.source = FileSource(source)
         if not Path(source).exists():
             raise FileNotFoundError(2, "no such file or folder", str(source))
+        self.source = FileSource(source)
         self.tracker = ChangeTracker(node_name)
         options = rule_options(config)
         # Before the node facts are read: tcpBeLiberal changes which rules are written.
         apply_conntrack_config(config)
         apply_oom_score(config.oom_score_adj)
-        facts = detect_node_facts(backend=backend, node_ips=node_ips)
-        log.info(
-            "node %s: node IPs %s, iptables backend %s, random-fully %s",
-            node_name,
-            ", ".join(facts.node_ips) or "none",
-            backend.flavour,
-            facts.random_fully,
+        self.dataplane, facts = create_dataplane(
+            config.effective_mode,
+            options=options,
+            node_ips=node_ips,
+            iptables_backend_choice=iptables_backend,
+            state_dir=state_dir,
         )
-        self.dataplane: Dataplane = IptablesDataplane(backend, facts, options, state_dir=state_dir)
+        log.info("node %s: node IPs %s", node_name, ", ".join(facts.node_ips) or "none")
         if options.localhost_nodeports:
             # NodePorts on 127.0.0.1 need route_localnet (upstream sets it too); KUBE-FIREWALL
             # blocks the martian traffic this would otherwise let in.
