@@ -235,11 +235,6 @@ class TestEndpointAddr:
     def test_ipv6_gets_brackets_like_join_host_port(self) -> None:
         assert Endpoint("fd00::1", 8080).addr == "[fd00::1]:8080"
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: Endpoint.addr is an init field, so dataclasses.replace() copies a stale "
-        "addr (make it field(init=False, compare=False) and always set it in __post_init__)",
-    )
     def test_addr_follows_replace(self) -> None:
         ep = Endpoint("10.0.0.1", 80)
         assert dataclasses.replace(ep, port=81).addr == "10.0.0.1:81"
@@ -333,11 +328,6 @@ class TestServiceParsing:
         parsed = parse_service(service(ports=[sport("", 80, target="web")]))
         assert parsed.ports[0].target_port == "web"
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: parse.py _PORT_NAME allows 15 chars; Service port names are DNS-1123 "
-        "labels (63 chars) upstream, so valid Services are rejected",
-    )
     def test_long_port_name_is_valid(self) -> None:
         name = "grpc-web-metrics-port"  # 21 characters, a valid DNS-1123 label
         s = snap(service(ports=[sport(name, 80), sport("x" * 63, 81)]))
@@ -365,11 +355,6 @@ class TestServiceParsing:
         assert sp.load_balancer_source_ranges == ("10.0.0.0/8",)
         assert addrs(sp.endpoints) == ["10.1.0.1:8080"]
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: parse.py _IPV4 uses \\d (any Unicode digit) and _canonical_cidr uses "
-        "str.isdigit(): non-ASCII digits are read as an IPv4 address / prefix",
-    )
     @pytest.mark.parametrize(
         "mutate",
         [
@@ -854,11 +839,6 @@ class TestTopologyHints:
         assert addrs(sp.local_endpoints) == ["10.1.0.1:8080"]
         assert addrs(sp.reachable_endpoints) == ["10.1.0.1:8080", "10.1.0.2:8080"]
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: node hints (PreferSameNode) ignored; upstream uses them by default since "
-        "1.34 (PreferSameTrafficDistribution beta, GA 1.35)",
-    )
     def test_prefer_same_node_hints(self) -> None:
         s = snap(
             node(zone="z1"),

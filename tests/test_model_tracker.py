@@ -661,9 +661,6 @@ class TestRejections:
         put(tracker, service("bad", svc_type="ExternalName"))
         assert tracker.rejected_total == 0
 
-    @pytest.mark.xfail(
-        strict=True, reason="BUG: _apply_node keeps a rejected Node's Rejection after deletion"
-    )
     def test_deleting_a_rejected_node_clears_the_rejection(self, tracker: ChangeTracker) -> None:
         bad = node()
         bad["status"]["addresses"][0]["address"] = "1.2.3"
@@ -690,11 +687,6 @@ class TestRejections:
         assert one(tracker.snapshot(), spn("a")).endpoints == ()
         assert tracker.rejected_total == 1
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: parse_service: int() on a str.isdigit() targetPort raises ValueError "
-        "(non-ASCII digits, > 4300 digits) instead of InvalidObject",
-    )
     @pytest.mark.parametrize(
         "target", ["\u00b2", "1\u00b2", "9" * 5000], ids=["superscript", "mixed", "5000-digits"]
     )
@@ -708,10 +700,6 @@ class TestRejections:
         (rej,) = s.rejections
         assert rej.field == "spec.ports[0].targetPort"
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: parse_service: str.isdigit() accepts non-ASCII digits as a targetPort number",
-    )
     def test_non_ascii_digit_target_port_is_not_a_number(self) -> None:
         # "\u0668\u0660" is Arabic-Indic "80": not a port number, not a valid port name either.
         try:

@@ -59,13 +59,13 @@ class Endpoint:
     node_hints: frozenset[str] = field(default_factory=frozenset)
     # ip:port the way Go's net.JoinHostPort writes it (brackets for IPv6); derived, stored
     # because every renderer needs it for every endpoint.
-    addr: str = field(default="", compare=False)
+    addr: str = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.addr:
-            ip = self.ip
-            addr = f"[{ip}]:{self.port}" if ":" in ip else f"{ip}:{self.port}"
-            object.__setattr__(self, "addr", addr)
+        ip = self.ip
+        object.__setattr__(
+            self, "addr", f"[{ip}]:{self.port}" if ":" in ip else f"{ip}:{self.port}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

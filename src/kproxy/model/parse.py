@@ -142,7 +142,7 @@ def _protocol(value: Any, path: str) -> Protocol:
         ) from None
 
 
-_IPV4 = re.compile(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})")
+_IPV4 = re.compile(r"([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})")
 
 
 def _ip(value: Any, path: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -175,11 +175,14 @@ def _ip_text(value: Any, path: str) -> str:
     return ip
 
 
+_DIGITS = re.compile(r"[0-9]{1,3}")
+
+
 def _canonical_cidr(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
     """A CIDR, sloppy like upstream's ParseCIDRSloppy (leading zeros allowed)."""
     addr, sep, prefix = text.partition("/")
     ip = _canonical_ip(addr)
-    if ip is None or not sep or not prefix.isdigit():
+    if ip is None or not sep or not _DIGITS.fullmatch(prefix):
         return None
     try:
         return ipaddress.ip_network(f"{ip}/{int(prefix)}", strict=False)
@@ -210,7 +213,9 @@ def _labels(meta: dict[str, Any], key: str, path: str) -> dict[str, str]:
 # The API server enforces these; a file source must too, because names end up inside
 # iptables comments and nft chain names, where a stray quote would break a whole restore.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")
+_PORT_NAME = _DNS_LABEL  # Service port names are DNS labels (container port names: IANA)
+_SVC_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # IANA_SVC_NAME, ASCII only
+_PORT_NUMBER = re.compile(r"[0-9]{1,5}")
 
 
 def _dns_label(value: str, path: str) -> str:
@@ -256,7 +261,7 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
         if pname and not _PORT_NAME.fullmatch(pname):
             raise InvalidObject(
                 f"{path}.name",
-                f"Invalid value: {pname!r}: must be at most 15 lowercase letters, digits and '-'",
+                f"Invalid value: {pname!r}: must be a DNS label (lowercase letters, digits, '-')",
             )
         if len(raw_ports) > 1 and not pname:
             raise InvalidObject(f"{path}.name", "required when a Service has several ports")
@@ -266,10 +271,14 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
         if target is None or target == 0:
             target = number
         elif isinstance(target, str):
-            if target.isdigit():
+            if _PORT_NUMBER.fullmatch(target):
                 target = _port(int(target), f"{path}.targetPort")
-            elif not target:
-                raise InvalidObject(f"{path}.targetPort", "must not be empty")
+            elif not _SVC_NAME.fullmatch(target) or not any(c.isalpha() for c in target):
+                raise InvalidObject(
+                    f"{path}.targetPort",
+                    f"Invalid value: {target!r}: must be a port number or a port name (at most"
+                    " 15 lowercase letters, digits and '-', with at least one letter)",
+                )
         else:
             target = _port(target, f"{path}.targetPort")
         node_port = 0

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kproxy.model.objects import (
     Endpoint,
@@ -36,6 +36,7 @@ from kproxy.model.parse import (
 from kproxy.sources.base import ENDPOINT_SLICE, NODE, SERVICE, ObjectEvent, ObjectKey
 
 log = logging.getLogger("kproxy.model")
+T = TypeVar("T")
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
 TOPOLOGY_LABELS = (ZONE_LABEL, "kubernetes.io/hostname")
@@ -98,20 +99,26 @@ class ChangeTracker:
             log.warning("skipping invalid %s", rej)
         self._rejections[key] = rej
 
+    def _parse(self, ev: ObjectEvent, parser: Callable[[dict[str, Any]], T]) -> T | None:
+        """The parsed object, or None when deleted, ignored or invalid (then recorded)."""
+        if ev.obj is None:
+            self._rejections.pop(ev.key, None)
+            return None
+        try:
+            parsed = parser(ev.obj)
+        except IgnoredObject as why:
+            self._rejections.pop(ev.key, None)
+            log.info("ignoring %s: %s", ev.key, why)
+            return None
+        except InvalidObject as err:
+            self._reject(ev.key, err)
+            return None
+        self._rejections.pop(ev.key, None)
+        return parsed
+
     def _apply_service(self, ev: ObjectEvent) -> bool:
         svc_key = f"{ev.key.namespace}/{ev.key.name}"
-        parsed: ParsedService | None = None
-        if ev.obj is not None:
-            try:
-                parsed = parse_service(ev.obj)
-                self._rejections.pop(ev.key, None)
-            except IgnoredObject as why:
-                self._rejections.pop(ev.key, None)
-                log.info("ignoring Service %s: %s", svc_key, why)
-            except InvalidObject as err:
-                self._reject(ev.key, err)
-        else:
-            self._rejections.pop(ev.key, None)
+        parsed = self._parse(ev, parse_service)
         old = self._services.get(svc_key)
         if old == parsed:
             return False
@@ -126,18 +133,7 @@ class ChangeTracker:
 
     def _apply_slice(self, ev: ObjectEvent) -> bool:
         key = (ev.key.namespace, ev.key.name)
-        parsed: ParsedSlice | None = None
-        if ev.obj is not None:
-            try:
-                parsed = parse_endpoint_slice(ev.obj)
-                self._rejections.pop(ev.key, None)
-            except IgnoredObject as why:
-                self._rejections.pop(ev.key, None)
-                log.info("ignoring %s: %s", ev.key, why)
-            except InvalidObject as err:
-                self._reject(ev.key, err)
-        else:
-            self._rejections.pop(ev.key, None)
+        parsed = self._parse(ev, parse_endpoint_slice)
         old = self._slices.get(key)
         if old == parsed:
             return False
@@ -162,7 +158,9 @@ class ChangeTracker:
         if ev.key.name != self.node_name:
             return False
         parsed: ParsedNode | None = None
-        if ev.obj is not None:
+        if ev.obj is None:
+            self._rejections.pop(ev.key, None)
+        else:
             try:
                 parsed = parse_node(ev.obj)
                 self._rejections.pop(ev.key, None)
@@ -298,11 +296,13 @@ def categorize(sp: ServicePort, node: NodeInfo) -> ServicePort:
     local: tuple[Endpoint, ...] = ()
     any_eps = False
     if sp.uses_cluster_endpoints:
-        zone = node.zone
-        use_topology = _can_use_topology(endpoints, zone)
-        cluster = tuple(
-            e for e in endpoints if e.ready and (not use_topology or zone in e.zone_hints)
-        )
+        mode = _topology_mode(endpoints, node.name, node.zone)
+        if mode == "node":
+            cluster = tuple(e for e in endpoints if e.ready and node.name in e.node_hints)
+        elif mode == "zone":
+            cluster = tuple(e for e in endpoints if e.ready and node.zone in e.zone_hints)
+        else:
+            cluster = tuple(e for e in endpoints if e.ready)
         if not cluster:
             cluster = tuple(e for e in endpoints if e.serving and e.terminating)
         any_eps = bool(cluster)
@@ -332,19 +332,32 @@ def categorize(sp: ServicePort, node: NodeInfo) -> ServicePort:
     )
 
 
-def _can_use_topology(endpoints: Iterable[Endpoint], zone: str) -> bool:
-    """Zone hints apply only if every ready endpoint has them and one matches our zone."""
-    if not zone:
-        return False
-    has_match = False
+def _topology_mode(endpoints: Iterable[Endpoint], node_name: str, zone: str) -> str:
+    """Upstream's hint handling: "node" (PreferSameNode: every ready endpoint has node hints
+    and one is for this node), else "zone" (every ready endpoint has zone hints and one is
+    for this node's zone), else "" (hints are not used)."""
+    all_node_hints = all_zone_hints = True
+    for_node = for_zone = False
+    ready = False
     for e in endpoints:
         if not e.ready:
             continue
+        ready = True
+        if not e.node_hints:
+            all_node_hints = False
+        elif node_name in e.node_hints:
+            for_node = True
         if not e.zone_hints:
-            return False
-        if zone in e.zone_hints:
-            has_match = True
-    return has_match
+            all_zone_hints = False
+        elif zone and zone in e.zone_hints:
+            for_zone = True
+    if not ready:
+        return ""
+    if all_node_hints and for_node and node_name:
+        return "node"
+    if all_zone_hints and for_zone:
+        return "zone"
+    return ""
 
 
 def snapshot_from_objects(objects: Iterable[dict[str, Any]], node_name: str) -> Snapshot:

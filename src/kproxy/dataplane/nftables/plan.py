@@ -1,0 +1,525 @@
+"""Plan nftables mode: Snapshot -> the desired contents of `table ip kube-proxy`.
+
+Pure and deterministic (no kernel, no clock). The plan is a description of objects (the
+fixed table setup, and per service port its chains, rules, affinity sets and map/set
+elements), not a transaction: transaction.py turns a plan plus what the kernel already holds
+into `nft -f` text. A second ("compact") layout can therefore be a sibling planner that
+produces the same kinds of objects.
+
+Layout and rule text are upstream kube-proxy's nftables mode (pkg/proxy/nftables/proxier.go
+at kubernetes@531be812, whose expected outputs kubernetes@030880a5 proxier_test.go spells
+out); services are planned sorted by ServicePortName. Each service's block is cached while
+its ServicePort value is unchanged, which keeps partial syncs cheap.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.nftables import names as n
+from kproxy.model.objects import Endpoint, ServicePort, ServicePortName, Snapshot
+
+FAMILY = "ip"
+ADDR_TYPE = "ipv4_addr"
+NO_LOCALHOST = "ip daddr != 127.0.0.0/8"
+
+# Base-chain priorities as numbers: nft 1.0.6 rejects the name "dstnat" on the output hook
+# (dataplane-lab G1), and upstream's knftables writes numbers for the same reason.
+PRIORITY_DSTNAT = -100
+PRIORITY_FILTER = 0
+PRIORITY_SRCNAT = 100
+
+
+@dataclass(frozen=True, slots=True)
+class BaseChain:
+    name: str
+    type: str
+    hook: str
+    priority: int
+
+
+BASE_CHAINS = (
+    # Filter chains that must see the pre-DNAT destination (LoadBalancerSourceRanges).
+    BaseChain(n.FILTER_PREROUTING_PRE_DNAT, "filter", "prerouting", PRIORITY_DSTNAT - 10),
+    BaseChain(n.FILTER_OUTPUT_PRE_DNAT, "filter", "output", PRIORITY_DSTNAT - 10),
+    BaseChain(n.FILTER_INPUT, "filter", "input", PRIORITY_FILTER),
+    BaseChain(n.FILTER_FORWARD, "filter", "forward", PRIORITY_FILTER),
+    BaseChain(n.FILTER_OUTPUT, "filter", "output", PRIORITY_FILTER),
+    BaseChain(n.NAT_PREROUTING, "nat", "prerouting", PRIORITY_DSTNAT),
+    BaseChain(n.NAT_OUTPUT, "nat", "output", PRIORITY_DSTNAT),
+    BaseChain(n.NAT_POSTROUTING, "nat", "postrouting", PRIORITY_SRCNAT),
+)
+
+# (jumped-to chain, base chain it is jumped to from, extra match), in upstream's order.
+JUMPS = (
+    (n.NODEPORT_ENDPOINTS_CHECK_CHAIN, n.FILTER_INPUT, "ct state new"),
+    (n.SERVICE_ENDPOINTS_CHECK_CHAIN, n.FILTER_INPUT, "ct state new"),
+    (n.SERVICE_ENDPOINTS_CHECK_CHAIN, n.FILTER_FORWARD, "ct state new"),
+    (n.SERVICE_ENDPOINTS_CHECK_CHAIN, n.FILTER_OUTPUT, "ct state new"),
+    (n.FIREWALL_CHECK_CHAIN, n.FILTER_PREROUTING_PRE_DNAT, "ct state new"),
+    (n.FIREWALL_CHECK_CHAIN, n.FILTER_OUTPUT_PRE_DNAT, "ct state new"),
+    (n.SERVICES_CHAIN, n.NAT_OUTPUT, ""),
+    (n.SERVICES_CHAIN, n.NAT_PREROUTING, ""),
+    (n.MASQUERADING_CHAIN, n.NAT_POSTROUTING, ""),
+    (n.CLUSTER_IPS_CHECK_CHAIN, n.FILTER_FORWARD, "ct state new"),
+    (n.CLUSTER_IPS_CHECK_CHAIN, n.FILTER_OUTPUT, "ct state new"),
+)
+# Further top-level chains that must exist (created after the jumped-to ones).
+OTHER_TOP_CHAINS = (
+    n.SERVICES_CHAIN,
+    n.CLUSTER_IPS_CHECK_CHAIN,
+    n.MASQUERADING_CHAIN,
+    n.MARK_MASQ_CHAIN,
+)
+
+VMAP_TYPE = f"{ADDR_TYPE} . inet_proto . inet_service : verdict"
+PORT_VMAP_TYPE = "inet_proto . inet_service : verdict"
+# (kind, name, type, comment) of the fixed sets and maps.
+CONTAINERS = {
+    n.CLUSTER_IPS_SET: ("set", ADDR_TYPE, "Active ClusterIPs"),
+    n.NODEPORT_IPS_SET: ("set", ADDR_TYPE, "IPs that accept NodePort traffic"),
+    n.NO_ENDPOINT_SERVICES_MAP: (
+        "map",
+        VMAP_TYPE,
+        "vmap to drop or reject packets to services with no endpoints",
+    ),
+    n.NO_ENDPOINT_NODEPORTS_MAP: (
+        "map",
+        PORT_VMAP_TYPE,
+        "vmap to drop or reject packets to service nodeports with no endpoints",
+    ),
+    n.FIREWALL_IPS_MAP: (
+        "map",
+        VMAP_TYPE,
+        "destinations that are subject to LoadBalancerSourceRanges",
+    ),
+    n.SERVICE_IPS_MAP: ("map", VMAP_TYPE, "ClusterIP, ExternalIP and LoadBalancer IP traffic"),
+    n.SERVICE_NODEPORTS_MAP: ("map", PORT_VMAP_TYPE, "NodePort traffic"),
+}
+# The containers whose elements belong to services (diffed every sync, like upstream's
+# nftElementStorage); nodeport-ips is rewritten on full syncs only.
+SERVICE_CONTAINERS = (
+    n.CLUSTER_IPS_SET,
+    n.SERVICE_IPS_MAP,
+    n.FIREWALL_IPS_MAP,
+    n.NO_ENDPOINT_SERVICES_MAP,
+    n.NO_ENDPOINT_NODEPORTS_MAP,
+    n.SERVICE_NODEPORTS_MAP,
+)
+REJECT_CHAIN_COMMENT = "helper for @no-endpoint-services / @no-endpoint-nodeports"
+
+
+@dataclass(frozen=True, slots=True)
+class Element:
+    """One element of a set (value "") or verdict map, in nft's own text form."""
+
+    container: str
+    key: str  # "172.30.0.41 . tcp . 80"
+    value: str = ""  # "goto service-...", "drop"
+    comment: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    name: str
+    rules: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AffinitySet:
+    name: str
+    timeout: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceBlock:
+    """Everything one service port owns in the table."""
+
+    name: ServicePortName
+    # Chains in the order upstream creates them (endpoint chains first).
+    chains: tuple[Chain, ...]
+    endpoint_chains: frozenset[str]
+    affinity_sets: tuple[AffinitySet, ...]
+    elements: tuple[Element, ...]
+    # For sync_proxy_rules_no_local_endpoints_total.
+    no_local_internal: bool = False
+    no_local_external: bool = False
+
+    @property
+    def rule_count(self) -> int:
+        return sum(len(c.rules) for c in self.chains)
+
+
+@dataclass(frozen=True)
+class TableSetup:
+    """The fixed part of the table, rewritten on every full sync."""
+
+    base_chains: tuple[BaseChain, ...]
+    # (chain, rule) pairs in the order upstream adds them; chains listed in `chains` are
+    # created (add + flush) first, in that order.
+    chains: tuple[str, ...]
+    rules: tuple[tuple[str, str], ...]
+    # None: nodePortAddresses matches every local address (the set is deleted).
+    nodeport_ips: tuple[str, ...] | None
+    mark: str
+
+
+@dataclass
+class NftablesPlan:
+    setup: TableSetup
+    blocks: dict[ServicePortName, ServiceBlock] = field(default_factory=dict)
+
+    def service_chains(self) -> set[str]:
+        return {c.name for b in self.blocks.values() for c in b.chains}
+
+    def affinity_sets(self) -> dict[str, int]:
+        return {s.name: s.timeout for b in self.blocks.values() for s in b.affinity_sets}
+
+    def elements(self) -> dict[str, dict[str, Element]]:
+        """container -> key -> element; for a key two services claim, the later (in
+        ServicePortName order) wins, as the last writer does upstream."""
+        out: dict[str, dict[str, Element]] = {c: {} for c in SERVICE_CONTAINERS}
+        for name in sorted(self.blocks):
+            for el in self.blocks[name].elements:
+                out[el.container][el.key] = el
+        return out
+
+    @property
+    def rules_total(self) -> int:
+        return len(self.setup.rules) + sum(b.rule_count for b in self.blocks.values())
+
+
+class LocalDetector:
+    """Upstream's LocalTrafficDetector, nft flavour (IfLocalNFT / IfNotLocalNFT)."""
+
+    def __init__(self, options: RuleOptions, pod_cidrs: Iterable[str]) -> None:
+        mode = options.detect_local_mode or "ClusterCIDR"
+        self.if_local = ""
+        self.if_not_local = ""
+        cidr = ""
+        if mode == "ClusterCIDR":
+            cidr = next((c for c in options.cluster_cidrs if ":" not in c), "")
+        elif mode == "NodeCIDR":
+            cidr = next((c for c in pod_cidrs if ":" not in c), "")
+        elif mode == "BridgeInterface" and options.bridge_interface:
+            br = options.bridge_interface
+            self.if_local, self.if_not_local = f"iifname {br}", f"iifname != {br}"
+        elif mode == "InterfaceNamePrefix" and options.interface_name_prefix:
+            prefix = options.interface_name_prefix
+            self.if_local, self.if_not_local = f'iifname "{prefix}*"', f'iifname != "{prefix}*"'
+        if cidr:
+            self.if_local, self.if_not_local = f"ip saddr {cidr}", f"ip saddr != {cidr}"
+
+    @property
+    def implemented(self) -> bool:
+        return bool(self.if_local)
+
+
+def effective_node_port_addresses(options: RuleOptions) -> tuple[str, ...]:
+    """nftables mode defaults nodePortAddresses to "primary" (upstream, 1.29+)."""
+    return tuple(options.node_port_addresses) or ("primary",)
+
+
+def nodeport_addresses(options: RuleOptions, facts: NodeFacts) -> tuple[str, ...] | None:
+    """IPv4 addresses NodePorts answer on; None = every local address (match-all).
+
+    Like upstream's NodePortAddresses: "primary" stands for the node's IPs, other entries
+    are CIDRs matched against the node's addresses; no IPv4 entry at all, or 0.0.0.0/0,
+    means match-all. Loopback addresses are dropped: nftables mode never serves NodePorts
+    on localhost."""
+    ips: list[str] = []
+    nets: list[ipaddress.IPv4Network] = []
+    primary = False
+    for text in effective_node_port_addresses(options):
+        if text == "primary":
+            primary = True
+            ips += [ip for ip in facts.node_ips if ":" not in ip]
+            continue
+        net = ipaddress.ip_network(text, strict=False)
+        if isinstance(net, ipaddress.IPv4Network):
+            nets.append(net)
+    if (not nets and not primary) or any(net.prefixlen == 0 for net in nets):
+        return None
+    for addr in facts.local_addresses:
+        ip = ipaddress.ip_address(addr)
+        if ip.version == 4 and any(ip in net for net in nets):
+            ips.append(addr)
+    out: list[str] = []
+    for addr in ips:
+        if not ipaddress.ip_address(addr).is_loopback and addr not in out:
+            out.append(addr)
+    return tuple(out)
+
+
+def table_setup(
+    facts: NodeFacts, options: RuleOptions, service_cidrs: Iterable[str] = ()
+) -> TableSetup:
+    mark = options.masquerade_mark
+    chains: list[str] = []
+    rules: list[tuple[str, str]] = []
+
+    def ensure(chain: str) -> None:
+        if chain not in chains:
+            chains.append(chain)
+
+    for dst, src, extra in JUMPS:
+        ensure(dst)
+        rules.append((src, f"{extra} jump {dst}" if extra else f"jump {dst}"))
+    for chain in OTHER_TOP_CHAINS:
+        ensure(chain)
+    rules += [
+        (n.MARK_MASQ_CHAIN, f"mark set mark or {mark}"),
+        (n.MASQUERADING_CHAIN, f"mark and {mark} == 0 return"),
+        (n.MASQUERADING_CHAIN, f"mark set mark xor {mark}"),
+        (n.MASQUERADING_CHAIN, "masquerade fully-random"),
+        (
+            n.CLUSTER_IPS_CHECK_CHAIN,
+            f'ip daddr @{n.CLUSTER_IPS_SET} reject comment "Reject traffic to invalid ports of'
+            ' ClusterIPs"',
+        ),
+    ]
+    cidrs = [str(ipaddress.ip_network(c, strict=False)) for c in service_cidrs if ":" not in c]
+    if cidrs:
+        rules.append(
+            (
+                n.CLUSTER_IPS_CHECK_CHAIN,
+                f"ip daddr {{ {','.join(cidrs)} }} drop comment"
+                ' "Drop traffic to unallocated ClusterIPs"',
+            )
+        )
+    np_ips = nodeport_addresses(options, facts)
+    vmap = "meta l4proto . th dport vmap"
+    rules.append(
+        (
+            n.SERVICE_ENDPOINTS_CHECK_CHAIN,
+            f"ip daddr . meta l4proto . th dport vmap @{n.NO_ENDPOINT_SERVICES_MAP}",
+        )
+    )
+    np_match = NO_LOCALHOST if np_ips is None else f"ip daddr @{n.NODEPORT_IPS_SET}"
+    rules.append(
+        (n.NODEPORT_ENDPOINTS_CHECK_CHAIN, f"{np_match} {vmap} @{n.NO_ENDPOINT_NODEPORTS_MAP}")
+    )
+    ensure(n.FIREWALL_CHECK_CHAIN)
+    rules.append(
+        (
+            n.FIREWALL_CHECK_CHAIN,
+            f"ip daddr . meta l4proto . th dport vmap @{n.FIREWALL_IPS_MAP}",
+        )
+    )
+    rules.append(
+        (n.SERVICES_CHAIN, f"ip daddr . meta l4proto . th dport vmap @{n.SERVICE_IPS_MAP}")
+    )
+    np_dispatch = f"fib daddr type local {NO_LOCALHOST}" if np_ips is None else np_match
+    rules.append((n.SERVICES_CHAIN, f"{np_dispatch} {vmap} @{n.SERVICE_NODEPORTS_MAP}"))
+    return TableSetup(
+        base_chains=BASE_CHAINS,
+        chains=tuple(chains),
+        rules=tuple(rules),
+        nodeport_ips=np_ips,
+        mark=mark,
+    )
+
+
+class NftablesPlanner:
+    """Builds plans; keeps per-service blocks between calls while their inputs are equal."""
+
+    layout = "upstream"
+
+    def __init__(
+        self, facts: NodeFacts, options: RuleOptions, *, service_cidrs: Iterable[str] = ()
+    ) -> None:
+        self.facts = facts
+        self.options = options
+        self.service_cidrs = tuple(service_cidrs)
+        self.setup = table_setup(facts, options, self.service_cidrs)
+        node_ip = next((ip for ip in facts.node_ips if ":" not in ip), None)
+        self.node_ip = ipaddress.ip_address(node_ip) if node_ip else None
+        self._detector_cidrs: tuple[str, ...] = ()
+        self.detector = LocalDetector(options, ())
+        self._cache: dict[ServicePortName, tuple[ServicePort, ServiceBlock]] = {}
+
+    def plan(self, snapshot: Snapshot) -> NftablesPlan:
+        if snapshot.node.pod_cidrs != self._detector_cidrs:
+            self._detector_cidrs = snapshot.node.pod_cidrs
+            self.detector = LocalDetector(self.options, snapshot.node.pod_cidrs)
+            self._cache.clear()
+        plan = NftablesPlan(self.setup)
+        cache = self._cache
+        for name in sorted(snapshot.services):
+            sp = snapshot.services[name]
+            if ":" in sp.cluster_ip:
+                continue  # other family (dual stack is not built yet)
+            plan.blocks[name] = self.block(sp)
+        for stale in set(cache) - set(plan.blocks):
+            del cache[stale]
+        return plan
+
+    def block(self, sp: ServicePort) -> ServiceBlock:
+        hit = self._cache.get(sp.name)
+        if hit is not None and (hit[0] is sp or hit[0] == sp):
+            return hit[1]
+        blk = self._build(sp)
+        self._cache[sp.name] = (sp, blk)
+        return blk
+
+    # --- one service port ------------------------------------------------------------------
+
+    def _build(self, sp: ServicePort) -> ServiceBlock:
+        spn = str(sp.name)
+        proto = sp.protocol.lower
+        base = n.service_base(sp.name)
+        cluster_chain = n.SERVICE_PREFIX + base
+        local_chain = n.LOCAL_PREFIX + base
+        external_chain = n.EXTERNAL_PREFIX + base
+        fw_chain = n.FIREWALL_PREFIX + base
+        affinity = sp.affinity_timeout is not None
+
+        has_endpoints = sp.any_endpoints
+        reachable = sp.reachable_endpoints
+        ep_base = {ep.addr: n.endpoint_base(sp.name, ep.ip, ep.port) for ep in reachable}
+
+        chain_rules: dict[str, list[str]] = {}
+
+        def ensure(chain: str) -> None:
+            chain_rules.setdefault(chain, [])
+
+        for ep in reachable:
+            ensure(n.ENDPOINT_PREFIX + ep_base[ep.addr])
+        uses_cluster_chain = bool(sp.cluster_endpoints) and sp.uses_cluster_endpoints
+        if uses_cluster_chain:
+            ensure(cluster_chain)
+        uses_local_chain = bool(sp.local_endpoints) and sp.uses_local_endpoints
+        if uses_local_chain:
+            ensure(local_chain)
+
+        internal_chain = local_chain if sp.internal_policy_local else cluster_chain
+        has_internal = has_endpoints and (not sp.internal_policy_local or bool(sp.local_endpoints))
+        external_policy_chain = local_chain if sp.external_policy_local else cluster_chain
+        has_external = has_endpoints and (not sp.external_policy_local or bool(sp.local_endpoints))
+        uses_external_chain = has_endpoints and sp.is_external
+        if uses_external_chain:
+            ensure(external_chain)
+
+        if not has_endpoints:
+            internal_verdict = external_verdict = f"goto {n.REJECT_CHAIN}"
+        else:
+            internal_verdict = "" if has_internal else "drop"
+            external_verdict = "" if has_external else "drop"
+
+        lb_ips = [ip for ip in sp.load_balancer_ips if ":" not in ip]
+        ext_ips = [ip for ip in sp.external_ips if ":" not in ip]
+        ranges = [
+            ipaddress.ip_network(c.strip(), strict=False) for c in sp.load_balancer_source_ranges
+        ]
+        ranges = [r for r in ranges if r.version == 4]
+        uses_fw_chain = bool(lb_ips) and bool(ranges)
+        if uses_fw_chain:
+            ensure(fw_chain)
+
+        elements: list[Element] = []
+        dst = f"{sp.cluster_ip} . {proto} . {sp.port}"
+        elements.append(Element(n.CLUSTER_IPS_SET, sp.cluster_ip))
+        if has_internal:
+            elements.append(Element(n.SERVICE_IPS_MAP, dst, f"goto {internal_chain}"))
+        else:
+            elements.append(Element(n.NO_ENDPOINT_SERVICES_MAP, dst, internal_verdict, spn))
+        for ip in ext_ips:
+            key = f"{ip} . {proto} . {sp.port}"
+            if has_endpoints:
+                elements.append(Element(n.SERVICE_IPS_MAP, key, f"goto {external_chain}"))
+            if not has_external:
+                elements.append(Element(n.NO_ENDPOINT_SERVICES_MAP, key, external_verdict, spn))
+        for ip in lb_ips:
+            key = f"{ip} . {proto} . {sp.port}"
+            if has_endpoints:
+                elements.append(Element(n.SERVICE_IPS_MAP, key, f"goto {external_chain}"))
+            if uses_fw_chain:
+                elements.append(Element(n.FIREWALL_IPS_MAP, key, f"goto {fw_chain}"))
+        if not has_external:
+            for ip in lb_ips:
+                key = f"{ip} . {proto} . {sp.port}"
+                elements.append(Element(n.NO_ENDPOINT_SERVICES_MAP, key, external_verdict, spn))
+        if sp.node_port:
+            key = f"{proto} . {sp.node_port}"
+            if has_endpoints:
+                elements.append(Element(n.SERVICE_NODEPORTS_MAP, key, f"goto {external_chain}"))
+            if not has_external:
+                elements.append(Element(n.NO_ENDPOINT_NODEPORTS_MAP, key, external_verdict, spn))
+
+        mark_masq = f"jump {n.MARK_MASQ_CHAIN}"
+        detector = self.detector
+        if has_internal:
+            head = f"ip daddr {sp.cluster_ip}"
+            if self.options.masquerade_all:
+                chain_rules.setdefault(internal_chain, []).append(f"{head} {mark_masq}")
+            elif detector.implemented:
+                chain_rules.setdefault(internal_chain, []).append(
+                    f"{head} {detector.if_not_local} {mark_masq}"
+                )
+        if uses_external_chain:
+            ext = chain_rules[external_chain]
+            if not sp.external_policy_local:
+                ext.append(mark_masq)
+            else:
+                if detector.implemented:
+                    ext.append(
+                        f'{detector.if_local} goto {cluster_chain} comment "short-circuit pod'
+                        ' traffic"'
+                    )
+                ext.append(f'fib saddr type local {mark_masq} comment "masquerade local traffic"')
+                ext.append(
+                    f'fib saddr type local goto {cluster_chain} comment "short-circuit local'
+                    ' traffic"'
+                )
+            if has_external:
+                ext.append(f"goto {external_policy_chain}")
+        if uses_fw_chain:
+            sources = [str(r) for r in ranges]
+            allow_from_node = self.node_ip is not None and any(self.node_ip in r for r in ranges)
+            if allow_from_node:
+                sources += lb_ips
+            chain_rules[fw_chain].append(f"ip saddr != {{ {' , '.join(sources)} }} drop")
+
+        sets: list[AffinitySet] = []
+        if affinity:
+            assert sp.affinity_timeout is not None
+            sets = [AffinitySet(n.AFFINITY_PREFIX + ep_base[ep.addr], sp.affinity_timeout)
+                    for ep in reachable]
+        if uses_cluster_chain:
+            _dispatch(chain_rules[cluster_chain], sp.cluster_endpoints, ep_base, affinity)
+        if uses_local_chain:
+            _dispatch(chain_rules[local_chain], sp.local_endpoints, ep_base, affinity)
+        for ep in reachable:
+            epb = ep_base[ep.addr]
+            rules = chain_rules[n.ENDPOINT_PREFIX + epb]
+            rules.append(f"ip saddr {ep.ip} {mark_masq}")
+            if affinity:
+                rules.append(f"update @{n.AFFINITY_PREFIX}{epb} {{ ip saddr }}")
+            rules.append(f"meta l4proto {proto} dnat to {ep.addr}")
+
+        return ServiceBlock(
+            name=sp.name,
+            chains=tuple(Chain(c, tuple(r)) for c, r in chain_rules.items()),
+            endpoint_chains=frozenset(n.ENDPOINT_PREFIX + b for b in ep_base.values()),
+            affinity_sets=tuple(sets),
+            elements=tuple(elements),
+            no_local_internal=has_endpoints and not has_internal,
+            no_local_external=has_endpoints and not has_external,
+        )
+
+
+def _dispatch(
+    rules: list[str], endpoints: tuple[Endpoint, ...], ep_base: dict[str, str], affinity: bool
+) -> None:
+    """Service/local chain -> endpoint chains: affinity lookups, then one numgen vmap."""
+    if affinity:
+        for ep in endpoints:
+            b = ep_base[ep.addr]
+            rules.append(f"ip saddr @{n.AFFINITY_PREFIX}{b} goto {n.ENDPOINT_PREFIX}{b}")
+    entries = " , ".join(
+        f"{i} : goto {n.ENDPOINT_PREFIX}{ep_base[ep.addr]}" for i, ep in enumerate(endpoints)
+    )
+    rules.append(f"numgen random mod {len(endpoints)} vmap {{ {entries} }}")
