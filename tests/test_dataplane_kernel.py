@@ -7,6 +7,7 @@ adding to DATAPLANES; the tests stay the same.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -377,6 +378,45 @@ def test_rules_flushed_by_someone_else_come_back(env: Env) -> None:
     assert not client.request(proto="tcp", dst="10.96.0.10", port=80, timeout=0.3).ok
     # The canary is gone, so the next periodic sync is a full one and restores everything.
     wait_until(lambda: client.request(proto="tcp", dst="10.96.0.10", port=80, timeout=0.3).ok, 5.0)
+
+
+# --- observability ------------------------------------------------------------------------------
+
+FETCH = (
+    "import sys, urllib.request as u; r = u.urlopen(sys.argv[1]); print(r.status); "
+    "print(r.read().decode())"
+)
+
+
+def fetch(env: Env, url: str) -> tuple[int, str]:
+    out = env.lab.exec(env.lab.node_ns, [sys.executable, "-c", FETCH, url], check=False).stdout
+    code, _, body = out.partition("\n")
+    return int(code or 0), body
+
+
+def test_metrics_and_health_servers_answer_like_upstream(env: Env) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    web(env)
+    env.proxy.start()
+    code, body = fetch(env, "http://127.0.0.1:10249/metrics")
+    assert code == 200
+    fams = {f.name: f for f in text_string_to_metric_families(body)}
+    syncs = [
+        s
+        for s in fams["kubeproxy_sync_proxy_rules_duration_seconds"].samples
+        if s.name.endswith("_count")
+    ]
+    assert syncs and syncs[0].value >= 1
+    nat_rules = [
+        s
+        for s in fams["kubeproxy_sync_proxy_rules_iptables_total"].samples
+        if s.labels["table"] == "nat"
+    ]
+    assert nat_rules[0].value > 10
+    assert fetch(env, "http://127.0.0.1:10249/proxyMode") == (200, env.mode + "\n")
+    code, body = fetch(env, f"http://{env.lab.node_ip}:10256/healthz")
+    assert code == 200 and '"healthy": true' in body
 
 
 def rules(env: Env) -> list[str]:

@@ -12,6 +12,8 @@ from kproxy.conntrack import cleanup_stale_udp
 from kproxy.dataplane.registry import create_dataplane
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.node_tuning import apply_conntrack_config, apply_oom_score
+from kproxy.server.http import HealthState, health_server, metrics_server
+from kproxy.server.metrics import ProxyMetrics
 from kproxy.sources.files import FileSource
 from kproxy.sync import ProxyLoop
 from kproxy.sysctl import set_sysctl
@@ -52,18 +54,29 @@ class Daemon:
             # NodePorts on 127.0.0.1 need route_localnet (upstream sets it too); KUBE-FIREWALL
             # blocks the martian traffic this would otherwise let in.
             set_sysctl("net/ipv4/conf/all/route_localnet", 1)
+        self.metrics = ProxyMetrics(config.effective_mode)
+        self.health = HealthState(health_timeout=2 * config.sync_period)
+        self.state_dir = state_dir
         self.loop = ProxyLoop(
             self.tracker,
             self.dataplane,
             min_sync_period=config.min_sync_period,
             sync_period=config.sync_period,
             udp_cleaner=lambda ips, ports: cleanup_stale_udp(ips, ports),
-            on_synced=self._write_status,
+            observers=[self.metrics, self.health, StatusFile(self)],
         )
-        self.state_dir = state_dir
+        hard = config.bind_address_hard_fail
+        self.servers = [
+            metrics_server(
+                config.metrics_bind_address, self.metrics, lambda: self.dataplane.mode, hard
+            ),
+            health_server(config.healthz_bind_address, self.health, self.metrics, hard),
+        ]
 
     def start(self) -> None:
         log.info("kproxy starting in %s mode on node %s", self.dataplane.mode, self.node_name)
+        for server in self.servers:
+            server.start()
         self.loop.start(self.source)
 
     def status(self) -> dict[str, object]:
@@ -86,7 +99,7 @@ class Daemon:
             "pending": self.loop.pending,
         }
 
-    def _write_status(self, *_: object) -> None:
+    def write_status(self) -> None:
         """status.json in the state dir: what `kproxy status` and the lab harness read."""
         if self.state_dir is None:
             return
@@ -101,3 +114,24 @@ class Daemon:
     def stop(self) -> None:
         self.source.stop()
         self.loop.stop()
+        for server in self.servers:
+            server.stop()
+
+
+class StatusFile:
+    """Rewrites the status file after every sync (a sync.SyncObserver)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def queued(self, when: float, pending_services: int, pending_endpoints: int) -> None:
+        pass
+
+    def synced(self, *_: object) -> None:
+        self.daemon.write_status()
+
+    def failed(self, full: bool) -> None:
+        self.daemon.write_status()
+
+    def conntrack_cleaned(self, deleted: int) -> None:
+        pass

@@ -14,10 +14,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol as Interface
 
 from kproxy.dataplane.base import Dataplane, SyncError, SyncResult
 from kproxy.model.objects import Protocol, ServicePort, ServicePortName, Snapshot
-from kproxy.model.snapshot import ChangeTracker
+from kproxy.model.snapshot import ChangeCounts, ChangeTracker
 from kproxy.runner import BoundedFrequencyRunner
 from kproxy.sources.base import ObjectEvent, Source
 
@@ -48,6 +49,20 @@ class SyncStatus:
 UdpCleaner = Callable[[dict[tuple[str, int], set[str]], dict[int, set[str]]], int]
 
 
+class SyncObserver(Interface):
+    """Who wants to know about syncs: metrics, health, the status file."""
+
+    def queued(self, when: float, pending_services: int, pending_endpoints: int) -> None: ...
+
+    def synced(
+        self, snapshot: Snapshot, result: SyncResult, seconds: float, counts: ChangeCounts
+    ) -> None: ...
+
+    def failed(self, full: bool) -> None: ...
+
+    def conntrack_cleaned(self, deleted: int) -> None: ...
+
+
 class ProxyLoop:
     def __init__(
         self,
@@ -58,14 +73,14 @@ class ProxyLoop:
         sync_period: float,
         full_sync_period: float = FULL_SYNC_PERIOD,
         udp_cleaner: UdpCleaner | None = None,
-        on_synced: Callable[[Snapshot, SyncResult], None] | None = None,
+        observers: Sequence[SyncObserver] = (),
     ) -> None:
         self.tracker = tracker
         self.dataplane = dataplane
         self.sync_period = sync_period
         self.full_sync_period = full_sync_period
         self.udp_cleaner = udp_cleaner
-        self.on_synced = on_synced
+        self.observers = list(observers)
         self.status = SyncStatus()
         self._lock = threading.Lock()
         self._force_full = True
@@ -85,7 +100,11 @@ class ProxyLoop:
     def on_events(self, events: Sequence[ObjectEvent]) -> None:
         """The source sink: fold events in and ask for a sync if anything changed."""
         if self.tracker.apply(events):
-            self.status.last_queued = time.time()
+            now = time.time()
+            self.status.last_queued = now
+            pending = self.tracker.counts
+            for obs in self.observers:
+                obs.queued(now, len(pending.pending_services), len(pending.pending_endpoints))
             self.runner.run()
 
     def start(self, source: Source) -> None:
@@ -115,6 +134,7 @@ class ProxyLoop:
         with self._lock:
             generation = self.tracker.generation
             snapshot = self.tracker.snapshot()
+            counts = self.tracker.take_counts()
             now = time.time()
             full = (
                 self._force_full
@@ -126,11 +146,13 @@ class ProxyLoop:
             try:
                 result = self.dataplane.sync(snapshot, full=full)
             except SyncError as err:
-                self._record_failure(str(err))
+                self.tracker.return_counts(counts)
+                self._record_failure(str(err), full)
                 return False
             except Exception as err:  # a bug must not kill the loop; keep the last good rules
                 log.exception("sync failed unexpectedly")
-                self._record_failure(f"{type(err).__name__}: {err}")
+                self.tracker.return_counts(counts)
+                self._record_failure(f"{type(err).__name__}: {err}", full)
                 return False
             took = time.monotonic() - started
             previous = self._applied
@@ -158,8 +180,8 @@ class ProxyLoop:
                 took,
             )
             self._clean_udp_conntrack(previous, snapshot)
-            if self.on_synced is not None:
-                self.on_synced(snapshot, result)
+            for obs in self.observers:
+                obs.synced(snapshot, result, took, counts)
             return True
 
     def _drifted(self) -> bool:
@@ -171,7 +193,9 @@ class ProxyLoop:
         self._last_drift_check = now
         return self.dataplane.drifted()
 
-    def _record_failure(self, message: str) -> None:
+    def _record_failure(self, message: str, full: bool) -> None:
+        for obs in self.observers:
+            obs.failed(full)
         st = self.status
         st.failures += 1
         st.consecutive_failures += 1
@@ -193,6 +217,8 @@ class ProxyLoop:
             log.warning("stale UDP conntrack cleanup failed: %s", err)
             return
         self.status.conntrack_deleted += deleted
+        for obs in self.observers:
+            obs.conntrack_cleaned(deleted)
         if deleted:
             log.info("deleted %d stale UDP conntrack entries", deleted)
 

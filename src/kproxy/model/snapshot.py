@@ -208,6 +208,15 @@ class ChangeTracker:
             counts, self.counts = self.counts, ChangeCounts()
         return counts
 
+    def return_counts(self, counts: ChangeCounts) -> None:
+        """Put taken counts back (their sync failed, so the changes are still pending)."""
+        with self._lock:
+            c = self.counts
+            c.service_changes += counts.service_changes
+            c.endpoint_changes += counts.endpoint_changes
+            c.pending_services |= counts.pending_services
+            c.pending_endpoints |= counts.pending_endpoints
+
     def _node_info(self) -> NodeInfo:
         n = self._node
         if n is None:

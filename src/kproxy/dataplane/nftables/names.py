@@ -67,12 +67,12 @@ def hash_and_truncate(name: str) -> str:
 
 @lru_cache(maxsize=65536)
 def service_base(name: ServicePortName) -> str:
-    """"ULMVA6XW-ns1/svc1/tcp/p80": the base of a service port's chains."""
+    """ "ULMVA6XW-ns1/svc1/tcp/p80": the base of a service port's chains."""
     return hash_and_truncate(f"{name.namespace}/{name.name}/{name.protocol.lower}/{name.port}")
 
 
 def endpoint_base(name: ServicePortName, ip: str, port: int) -> str:
-    """"5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80": the base of an endpoint's chain and set.
+    """ "5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80": the base of an endpoint's chain and set.
 
     IPv6 colons are not allowed in nft names and become dots, as upstream does."""
     host = ip.replace(":", ".")

@@ -155,16 +155,38 @@ class ServiceBlock:
 
 @dataclass(frozen=True)
 class TableSetup:
-    """The fixed part of the table, rewritten on every full sync."""
+    """The fixed part of the table, rewritten on every full sync (upstream's setupNFTables).
+
+    Each field is one step of upstream's order; transaction.write_setup writes them."""
 
     base_chains: tuple[BaseChain, ...]
-    # (chain, rule) pairs in the order upstream adds them; chains listed in `chains` are
-    # created (add + flush) first, in that order.
-    chains: tuple[str, ...]
-    rules: tuple[tuple[str, str], ...]
+    # (jumped-to chain, base chain, rule in the base chain)
+    jumps: tuple[tuple[str, str, str], ...]
+    top_chains: tuple[str, ...]
+    masquerade_rules: tuple[tuple[str, str], ...]
+    cluster_ips_check_rules: tuple[str, ...]
     # None: nodePortAddresses matches every local address (the set is deleted).
     nodeport_ips: tuple[str, ...] | None
+    service_endpoints_check_rule: str
+    nodeport_endpoints_check_rule: str
+    firewall_check_rule: str
+    services_rules: tuple[str, ...]
     mark: str
+
+    @property
+    def rules(self) -> list[tuple[str, str]]:
+        """Every (chain, rule) of the setup, in the order they are written."""
+        out = [(src, rule) for _, src, rule in self.jumps]
+        out += self.masquerade_rules
+        out += [(n.CLUSTER_IPS_CHECK_CHAIN, r) for r in self.cluster_ips_check_rules]
+        out += [
+            (n.REJECT_CHAIN, "reject"),
+            (n.SERVICE_ENDPOINTS_CHECK_CHAIN, self.service_endpoints_check_rule),
+            (n.NODEPORT_ENDPOINTS_CHECK_CHAIN, self.nodeport_endpoints_check_rule),
+            (n.FIREWALL_CHECK_CHAIN, self.firewall_check_rule),
+        ]
+        out += [(n.SERVICES_CHAIN, r) for r in self.services_rules]
+        return out
 
 
 @dataclass
@@ -258,67 +280,47 @@ def table_setup(
     facts: NodeFacts, options: RuleOptions, service_cidrs: Iterable[str] = ()
 ) -> TableSetup:
     mark = options.masquerade_mark
-    chains: list[str] = []
-    rules: list[tuple[str, str]] = []
-
-    def ensure(chain: str) -> None:
-        if chain not in chains:
-            chains.append(chain)
-
-    for dst, src, extra in JUMPS:
-        ensure(dst)
-        rules.append((src, f"{extra} jump {dst}" if extra else f"jump {dst}"))
-    for chain in OTHER_TOP_CHAINS:
-        ensure(chain)
-    rules += [
-        (n.MARK_MASQ_CHAIN, f"mark set mark or {mark}"),
-        (n.MASQUERADING_CHAIN, f"mark and {mark} == 0 return"),
-        (n.MASQUERADING_CHAIN, f"mark set mark xor {mark}"),
-        (n.MASQUERADING_CHAIN, "masquerade fully-random"),
-        (
-            n.CLUSTER_IPS_CHECK_CHAIN,
-            f'ip daddr @{n.CLUSTER_IPS_SET} reject comment "Reject traffic to invalid ports of'
-            ' ClusterIPs"',
-        ),
+    jumps = tuple(
+        (dst, src, f"{extra} jump {dst}" if extra else f"jump {dst}") for dst, src, extra in JUMPS
+    )
+    top: list[str] = []
+    for chain in [dst for dst, _, _ in JUMPS] + list(OTHER_TOP_CHAINS):
+        if chain not in top:
+            top.append(chain)
+    check = [
+        f'ip daddr @{n.CLUSTER_IPS_SET} reject comment "Reject traffic to invalid ports of'
+        ' ClusterIPs"'
     ]
     cidrs = [str(ipaddress.ip_network(c, strict=False)) for c in service_cidrs if ":" not in c]
     if cidrs:
-        rules.append(
-            (
-                n.CLUSTER_IPS_CHECK_CHAIN,
-                f"ip daddr {{ {','.join(cidrs)} }} drop comment"
-                ' "Drop traffic to unallocated ClusterIPs"',
-            )
+        check.append(
+            f'ip daddr {{ {",".join(cidrs)} }} drop comment "Drop traffic to unallocated'
+            ' ClusterIPs"'
         )
     np_ips = nodeport_addresses(options, facts)
     vmap = "meta l4proto . th dport vmap"
-    rules.append(
-        (
-            n.SERVICE_ENDPOINTS_CHECK_CHAIN,
-            f"ip daddr . meta l4proto . th dport vmap @{n.NO_ENDPOINT_SERVICES_MAP}",
-        )
-    )
     np_match = NO_LOCALHOST if np_ips is None else f"ip daddr @{n.NODEPORT_IPS_SET}"
-    rules.append(
-        (n.NODEPORT_ENDPOINTS_CHECK_CHAIN, f"{np_match} {vmap} @{n.NO_ENDPOINT_NODEPORTS_MAP}")
-    )
-    ensure(n.FIREWALL_CHECK_CHAIN)
-    rules.append(
-        (
-            n.FIREWALL_CHECK_CHAIN,
-            f"ip daddr . meta l4proto . th dport vmap @{n.FIREWALL_IPS_MAP}",
-        )
-    )
-    rules.append(
-        (n.SERVICES_CHAIN, f"ip daddr . meta l4proto . th dport vmap @{n.SERVICE_IPS_MAP}")
-    )
     np_dispatch = f"fib daddr type local {NO_LOCALHOST}" if np_ips is None else np_match
-    rules.append((n.SERVICES_CHAIN, f"{np_dispatch} {vmap} @{n.SERVICE_NODEPORTS_MAP}"))
+    dest = "ip daddr . meta l4proto . th dport vmap"
     return TableSetup(
         base_chains=BASE_CHAINS,
-        chains=tuple(chains),
-        rules=tuple(rules),
+        jumps=jumps,
+        top_chains=tuple(top),
+        masquerade_rules=(
+            (n.MARK_MASQ_CHAIN, f"mark set mark or {mark}"),
+            (n.MASQUERADING_CHAIN, f"mark and {mark} == 0 return"),
+            (n.MASQUERADING_CHAIN, f"mark set mark xor {mark}"),
+            (n.MASQUERADING_CHAIN, "masquerade fully-random"),
+        ),
+        cluster_ips_check_rules=tuple(check),
         nodeport_ips=np_ips,
+        service_endpoints_check_rule=f"{dest} @{n.NO_ENDPOINT_SERVICES_MAP}",
+        nodeport_endpoints_check_rule=f"{np_match} {vmap} @{n.NO_ENDPOINT_NODEPORTS_MAP}",
+        firewall_check_rule=f"{dest} @{n.FIREWALL_IPS_MAP}",
+        services_rules=(
+            f"{dest} @{n.SERVICE_IPS_MAP}",
+            f"{np_dispatch} {vmap} @{n.SERVICE_NODEPORTS_MAP}",
+        ),
         mark=mark,
     )
 
@@ -486,8 +488,10 @@ class NftablesPlanner:
         sets: list[AffinitySet] = []
         if affinity:
             assert sp.affinity_timeout is not None
-            sets = [AffinitySet(n.AFFINITY_PREFIX + ep_base[ep.addr], sp.affinity_timeout)
-                    for ep in reachable]
+            sets = [
+                AffinitySet(n.AFFINITY_PREFIX + ep_base[ep.addr], sp.affinity_timeout)
+                for ep in reachable
+            ]
         if uses_cluster_chain:
             _dispatch(chain_rules[cluster_chain], sp.cluster_endpoints, ep_base, affinity)
         if uses_local_chain:

@@ -1,0 +1,242 @@
+"""The narrow apply layer of nftables mode: `nft -f -` transactions and `nft -j` listings.
+
+Every command can run inside a named network namespace (`ip netns exec NS nft ...`, the
+same runner and prefix as the iptables backend), so tests and the lab never touch the
+namespace the process runs in.
+
+Transactions go to nft on stdin, as knftables does. nft names a rejected command as
+`/dev/stdin:LINE:COLUMNS: Error: REASON`; NftError carries that line and its text.
+Listings are nft's JSON (schema version 1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kproxy.dataplane.iptables.backend import Runner, in_netns, parse_version, run_command
+
+log = logging.getLogger(__name__)
+
+Version = tuple[int, int, int]
+_ERROR_RE: Final = re.compile(r"^(?:/dev/stdin|-):(\d+):[\d-]+: Error: (.*)$", re.MULTILINE)
+_NOT_FOUND: Final = ("No such file or directory",)
+
+
+class NftError(Exception):
+    """nft failed; for a rejected transaction, names the first line it blamed."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        command: Sequence[str] = (),
+        returncode: int = 0,
+        stderr: str = "",
+        input_data: str | None = None,
+    ) -> None:
+        self.command = list(command)
+        self.returncode = returncode
+        self.stderr = stderr
+        self.input_data = input_data
+        self.line_number: int | None = None
+        self.line_text: str | None = None
+        self.reason = stderr.strip().splitlines()[0] if stderr.strip() else ""
+        match = _ERROR_RE.search(stderr)
+        if match is not None:
+            self.line_number = int(match.group(1))
+            self.reason = match.group(2).strip()
+            if input_data is not None:
+                lines = input_data.splitlines()
+                if 1 <= self.line_number <= len(lines):
+                    self.line_text = lines[self.line_number - 1]
+        if self.line_number is not None:
+            where = f"line {self.line_number}"
+            if self.line_text is not None:
+                where += f" ({self.line_text!r})"
+            message = f"{message}: {where}: {self.reason}"
+        elif self.reason:
+            message = f"{message}: {self.reason}"
+        super().__init__(message)
+
+    @property
+    def not_found(self) -> bool:
+        return any(text in self.stderr for text in _NOT_FOUND)
+
+    def context(self, radius: int = 2) -> str:
+        """The rejected line with `radius` lines around it, numbered, marked with '=>'."""
+        if self.line_number is None or self.input_data is None:
+            return ""
+        lines = self.input_data.splitlines()
+        first = max(1, self.line_number - radius)
+        last = min(len(lines), self.line_number + radius)
+        return "\n".join(
+            f"{'=>' if i == self.line_number else '  '} {i:6d}: {lines[i - 1]}"
+            for i in range(first, last + 1)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TableRef:
+    family: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.family} {self.name}"
+
+
+class NftBackend:
+    """nft for one namespace: run transactions, list what a table holds."""
+
+    def __init__(
+        self, *, netns: str | None = None, runner: Runner | None = None, binary: str = "nft"
+    ) -> None:
+        self.netns = netns
+        self.binary = binary
+        self._runner: Runner = runner or run_command
+        self._version: Version | None = None
+
+    def __repr__(self) -> str:
+        return f"NftBackend(netns={self.netns!r})"
+
+    def _run(self, args: Sequence[str], input_data: str | None = None):  # noqa: ANN202
+        argv = in_netns([self.binary, *args], self.netns)
+        return argv, self._runner(argv, input_data)
+
+    def version(self) -> Version | None:
+        """`nft --version` (cached); None when nft is missing or says nothing readable."""
+        if self._version is None:
+            _, proc = self._run(["--version"])
+            if proc.returncode != 0:
+                return None
+            self._version = parse_version(proc.stdout + proc.stderr)
+        return self._version
+
+    # -- transactions -----------------------------------------------------------------
+
+    def run(self, data: str) -> None:
+        """Apply one transaction atomically (`nft -f -`); NftError names the rejected line."""
+        if not data:
+            return
+        argv, proc = self._run(["-f", "-"], data)
+        if proc.returncode != 0:
+            raise NftError(
+                "nft rejected the transaction",
+                command=argv,
+                returncode=proc.returncode,
+                stderr=proc.stderr,
+                input_data=data,
+            )
+
+    def check(self, data: str) -> None:
+        """Validate a transaction in the kernel without committing it (`nft --check -f -`)."""
+        argv, proc = self._run(["--check", "-f", "-"], data)
+        if proc.returncode != 0:
+            raise NftError(
+                "nft --check rejected the transaction",
+                command=argv,
+                returncode=proc.returncode,
+                stderr=proc.stderr,
+                input_data=data,
+            )
+
+    # -- listings ---------------------------------------------------------------------
+
+    def list_json(self, *what: str) -> list[dict[str, Any]]:
+        """`nft -j list WHAT...` as the list of objects (metainfo dropped)."""
+        argv, proc = self._run(["-j", "list", *what])
+        if proc.returncode != 0:
+            raise NftError(
+                f"nft list {' '.join(what)} failed",
+                command=argv,
+                returncode=proc.returncode,
+                stderr=proc.stderr,
+            )
+        try:
+            data = json.loads(proc.stdout or "{}")
+        except json.JSONDecodeError as err:
+            raise NftError(f"nft list {' '.join(what)}: unreadable JSON ({err})") from err
+        items = data.get("nftables", []) if isinstance(data, dict) else []
+        meta = items[0].get("metainfo") if items and isinstance(items[0], dict) else None
+        if meta is not None and meta.get("json_schema_version", 1) != 1:
+            raise NftError(f"nft JSON schema version {meta.get('json_schema_version')} unknown")
+        return [i for i in items if isinstance(i, dict) and "metainfo" not in i]
+
+    def tables(self) -> list[TableRef]:
+        return [
+            TableRef(t["table"]["family"], t["table"]["name"])
+            for t in self.list_json("tables")
+            if "table" in t
+        ]
+
+    def table_exists(self, family: str, name: str) -> bool:
+        return TableRef(family, name) in self.tables()
+
+    def chains(self, family: str, table: str) -> list[str]:
+        """Names of the chains of one table (`nft -j list chains FAMILY`)."""
+        return [
+            c["chain"]["name"]
+            for c in self.list_json("chains", family)
+            if "chain" in c and c["chain"].get("table") == table
+        ]
+
+    def sets(self, family: str, table: str) -> list[str]:
+        """Names of the named sets of one table (definitions only, no elements)."""
+        return [
+            s["set"]["name"]
+            for s in self.list_json("sets", family)
+            if "set" in s and s["set"].get("table") == table
+        ]
+
+    def elements(self, kind: str, family: str, table: str, name: str) -> list[tuple[str, str]]:
+        """(key, value) of every element of a set or verdict map, in nft's text form
+        ("172.30.0.41 . tcp . 80", "goto service-..."); value "" for sets."""
+        items = self.list_json(kind, family, table, name)
+        out: list[tuple[str, str]] = []
+        for item in items:
+            body = item.get(kind)
+            if not body:
+                continue
+            for elem in body.get("elem", []):
+                if kind == "map" and isinstance(elem, list) and len(elem) == 2:
+                    out.append((element_key(elem[0]), verdict_text(elem[1])))
+                else:
+                    out.append((element_key(elem), ""))
+        return out
+
+    def delete_table(self, family: str, name: str) -> bool:
+        """Delete a table; False when it did not exist."""
+        try:
+            self.run(f"delete table {family} {name}\n")
+        except NftError as err:
+            if err.not_found:
+                return False
+            raise
+        return True
+
+
+def element_key(value: Any) -> str:
+    """An element key from nft JSON back to the text form kproxy writes."""
+    if isinstance(value, dict):
+        if "elem" in value:
+            return element_key(value["elem"].get("val"))
+        if "concat" in value:
+            return " . ".join(element_key(v) for v in value["concat"])
+        if "prefix" in value:
+            p = value["prefix"]
+            return f"{element_key(p['addr'])}/{p['len']}"
+    return str(value)
+
+
+def verdict_text(value: Any) -> str:
+    """{"goto": {"target": "x"}} -> "goto x"; {"drop": null} -> "drop"."""
+    if isinstance(value, dict) and len(value) == 1:
+        verb, arg = next(iter(value.items()))
+        if isinstance(arg, dict) and "target" in arg:
+            return f"{verb} {arg['target']}"
+        return str(verb)
+    return str(value)

@@ -1,0 +1,391 @@
+"""Write `nft -f` transactions: one `add|flush|delete table|chain|set|map|element|rule` command
+per line, in the text form knftables (and so upstream kube-proxy) writes.
+
+`write_sync` turns a plan plus a mirror of what the kernel holds (TableState) into the
+transaction of one sync, the way upstream's syncProxyRules does:
+
+* full sync: the table setup (add table; the first time in a process also add+delete every
+  base chain so that a changed priority or hook can be applied; add+flush base and
+  top-level chains with their rules; sets and maps), then every service's chains;
+* partial sync: only the chains of service ports whose plan changed (add + flush + rules);
+* both: map/set elements are diffed against the mirror (a changed value is delete + add),
+  chains no longer used are flushed at once and remembered as stale (deleted >= 1 s later,
+  in a transaction of their own, see stale_chain_deletions), affinity sets no longer used
+  are deleted at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kproxy.dataplane.nftables import names as n
+from kproxy.dataplane.nftables.plan import (
+    ADDR_TYPE,
+    CONTAINERS,
+    FAMILY,
+    REJECT_CHAIN_COMMENT,
+    SERVICE_CONTAINERS,
+    BaseChain,
+    Element,
+    NftablesPlan,
+    ServiceBlock,
+)
+from kproxy.model.objects import ServicePortName
+
+# Seconds a flushed stale chain is kept before it is deleted (upstream: kernels before 6.2
+# notice a dropped vmap reference to a chain only a little later).
+STALE_CHAIN_DELAY = 1.0
+
+
+def quote(text: str) -> str:
+    """Go's %q for the ASCII comments kube-proxy writes."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class Transaction:
+    """An nft transaction for one table; every method appends one operation (one line)."""
+
+    def __init__(self, family: str = FAMILY, table: str = n.TABLE) -> None:
+        self.where = f"{family} {table}"
+        self.lines: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def text(self) -> str:
+        return "".join(line + "\n" for line in self.lines)
+
+    # -- tables and chains --------------------------------------------------------------
+
+    def add_table(self, comment: str | None = None) -> None:
+        body = f" {{ comment {quote(comment)} ; }}" if comment else ""
+        self.lines.append(f"add table {self.where}{body}")
+
+    def delete_table(self) -> None:
+        self.lines.append(f"delete table {self.where}")
+
+    def add_chain(
+        self, name: str, base: BaseChain | None = None, comment: str | None = None
+    ) -> None:
+        parts = []
+        if base is not None:
+            parts.append(f"type {base.type} hook {base.hook} priority {base.priority} ;")
+        if comment:
+            parts.append(f"comment {quote(comment)} ;")
+        body = f" {{ {' '.join(parts)} }}" if parts else ""
+        self.lines.append(f"add chain {self.where} {name}{body}")
+
+    def flush_chain(self, name: str) -> None:
+        self.lines.append(f"flush chain {self.where} {name}")
+
+    def delete_chain(self, name: str) -> None:
+        self.lines.append(f"delete chain {self.where} {name}")
+
+    def ensure_chain(self, name: str) -> None:
+        """add + flush: the chain exists and holds only what this transaction adds."""
+        self.add_chain(name)
+        self.flush_chain(name)
+
+    def add_rule(self, chain: str, rule: str) -> None:
+        self.lines.append(f"add rule {self.where} {chain} {rule}")
+
+    # -- sets, maps, elements -----------------------------------------------------------
+
+    def add_container(
+        self,
+        kind: str,
+        name: str,
+        type_: str,
+        *,
+        flags: Iterable[str] = (),
+        timeout: int | None = None,
+        comment: str | None = None,
+    ) -> None:
+        parts = [f"type {type_} ;"]
+        flags = list(flags)
+        if flags:
+            parts.append(f"flags {','.join(flags)} ;")
+        if timeout is not None:
+            parts.append(f"timeout {timeout}s ;")
+        if comment:
+            parts.append(f"comment {quote(comment)} ;")
+        self.lines.append(f"add {kind} {self.where} {name} {{ {' '.join(parts)} }}")
+
+    def flush_container(self, kind: str, name: str) -> None:
+        self.lines.append(f"flush {kind} {self.where} {name}")
+
+    def delete_container(self, kind: str, name: str) -> None:
+        self.lines.append(f"delete {kind} {self.where} {name}")
+
+    def add_element(self, el: Element) -> None:
+        comment = f" comment {quote(el.comment)}" if el.comment is not None else ""
+        value = f" : {el.value}" if el.value else ""
+        self.lines.append(f"add element {self.where} {el.container} {{ {el.key}{comment}{value} }}")
+
+    def delete_element(self, container: str, key: str) -> None:
+        self.lines.append(f"delete element {self.where} {container} {{ {key} }}")
+
+
+@dataclass
+class TableState:
+    """What kproxy believes the kernel's table holds (a mirror kept between syncs)."""
+
+    elements: dict[str, dict[str, Element]] = field(
+        default_factory=lambda: {c: {} for c in SERVICE_CONTAINERS}
+    )
+    # Service chains (names with "/") that exist, in use or stale.
+    chains: set[str] = field(default_factory=set)
+    affinity_sets: set[str] = field(default_factory=set)
+    # chain -> monotonic time it became stale (flushed, to be deleted later).
+    stale: dict[str, float] = field(default_factory=dict)
+    # The blocks last written, per service port (partial syncs compare against these).
+    blocks: dict[ServicePortName, ServiceBlock] = field(default_factory=dict)
+    # (container, key) -> service ports claiming it (to resolve a key two ports share).
+    owners: dict[tuple[str, str], set[ServicePortName]] = field(default_factory=dict)
+
+    def copy(self) -> TableState:
+        return TableState(
+            elements={c: dict(els) for c, els in self.elements.items()},
+            chains=set(self.chains),
+            affinity_sets=set(self.affinity_sets),
+            stale=dict(self.stale),
+            blocks=dict(self.blocks),
+            owners={k: set(v) for k, v in self.owners.items()},
+        )
+
+
+@dataclass
+class SyncWrite:
+    """One sync's transaction and the state the kernel holds once it is committed."""
+
+    tx: Transaction
+    state: TableState
+    rewritten: set[ServicePortName] = field(default_factory=set)
+    stale_flushed: list[str] = field(default_factory=list)
+    rules_written: int = 0
+
+
+def write_setup(tx: Transaction, plan: NftablesPlan, *, recreate_base_chains: bool) -> int:
+    """The fixed part of the table in upstream's order; returns the number of rules written."""
+    setup = plan.setup
+    tx.add_table(n.TABLE_COMMENT)
+    if recreate_base_chains:
+        for bc in setup.base_chains:
+            tx.add_chain(bc.name)
+            tx.delete_chain(bc.name)
+    for bc in setup.base_chains:
+        tx.add_chain(bc.name, bc)
+        tx.flush_chain(bc.name)
+    created: set[str] = set()
+    for dst, src, rule in setup.jumps:
+        _ensure_once(tx, dst, created)
+        tx.add_rule(src, rule)
+    for chain in setup.top_chains:
+        _ensure_once(tx, chain, created)
+    for chain, rule in setup.masquerade_rules:
+        tx.add_rule(chain, rule)
+    _add_container(tx, n.CLUSTER_IPS_SET)
+    for rule in setup.cluster_ips_check_rules:
+        tx.add_rule(n.CLUSTER_IPS_CHECK_CHAIN, rule)
+    _write_nodeport_ips(tx, plan)
+    _add_container(tx, n.NO_ENDPOINT_SERVICES_MAP)
+    _add_container(tx, n.NO_ENDPOINT_NODEPORTS_MAP)
+    tx.add_chain(n.REJECT_CHAIN, comment=REJECT_CHAIN_COMMENT)
+    tx.flush_chain(n.REJECT_CHAIN)
+    tx.add_rule(n.REJECT_CHAIN, "reject")
+    tx.add_rule(n.SERVICE_ENDPOINTS_CHECK_CHAIN, setup.service_endpoints_check_rule)
+    tx.add_rule(n.NODEPORT_ENDPOINTS_CHECK_CHAIN, setup.nodeport_endpoints_check_rule)
+    _add_container(tx, n.FIREWALL_IPS_MAP)
+    _ensure_once(tx, n.FIREWALL_CHECK_CHAIN, created)
+    tx.add_rule(n.FIREWALL_CHECK_CHAIN, setup.firewall_check_rule)
+    _add_container(tx, n.SERVICE_IPS_MAP)
+    _add_container(tx, n.SERVICE_NODEPORTS_MAP)
+    for rule in setup.services_rules:
+        tx.add_rule(n.SERVICES_CHAIN, rule)
+    return len(setup.rules)
+
+
+def _add_container(tx: Transaction, name: str) -> None:
+    kind, type_, comment = CONTAINERS[name]
+    tx.add_container(kind, name, type_, comment=comment)
+
+
+def _ensure_once(tx: Transaction, chain: str, created: set[str]) -> None:
+    if chain not in created:
+        created.add(chain)
+        tx.ensure_chain(chain)
+
+
+def _write_nodeport_ips(tx: Transaction, plan: NftablesPlan) -> None:
+    kind, type_, comment = CONTAINERS[n.NODEPORT_IPS_SET]
+    # add + delete when the set must not exist: a bare delete fails if it is missing.
+    tx.add_container(kind, n.NODEPORT_IPS_SET, type_, comment=comment)
+    ips = plan.setup.nodeport_ips
+    if ips is None:
+        tx.delete_container(kind, n.NODEPORT_IPS_SET)
+        return
+    tx.flush_container(kind, n.NODEPORT_IPS_SET)
+    for ip in ips:
+        tx.add_element(Element(n.NODEPORT_IPS_SET, ip))
+
+
+def write_block(
+    tx: Transaction, block: ServiceBlock, skip: frozenset[str] | set[str] = frozenset()
+) -> int:
+    """A service port's chains (add + flush), affinity sets and rules; chains in `skip` are
+    left as the kernel has them. Returns the number of rules written."""
+    chains = [c for c in block.chains if c.name not in skip]
+    for chain in chains:
+        tx.ensure_chain(chain.name)
+    # Affinity sets exist before the rules that look them up or update them.
+    for s in block.affinity_sets:
+        tx.add_container("set", s.name, ADDR_TYPE, flags=("dynamic", "timeout"), timeout=s.timeout)
+    written = 0
+    for chain in chains:
+        for rule in chain.rules:
+            tx.add_rule(chain.name, rule)
+        written += len(chain.rules)
+    return written
+
+
+def write_sync(
+    plan: NftablesPlan,
+    state: TableState,
+    *,
+    full: bool,
+    recreate_base_chains: bool = False,
+    skip_endpoint_chains: set[str] | None = None,
+    now: float = 0.0,
+) -> SyncWrite:
+    """The transaction of one sync against `state` (left untouched; the new state is returned).
+
+    skip_endpoint_chains: endpoint chains known to be correct in the kernel already (the
+    first sync after a restart: a chain's name fixes its rules, upstream's epChainSkipUpdate).
+    """
+    tx = Transaction()
+    new = state.copy()
+    out = SyncWrite(tx, new)
+    if full:
+        out.rules_written += write_setup(tx, plan, recreate_base_chains=recreate_base_chains)
+
+    changed: set[ServicePortName] = set()
+    skip = skip_endpoint_chains or set()
+    for name, block in plan.blocks.items():
+        old = state.blocks.get(name)
+        if full or old is not block:
+            changed.add(name)
+            if full or old != block:
+                chains_skip = block.endpoint_chains & skip if skip else frozenset()
+                out.rules_written += write_block(tx, block, chains_skip)
+                out.rewritten.add(name)
+    removed = set(state.blocks) - set(plan.blocks)
+    changed |= removed
+    new.blocks = dict(plan.blocks)
+
+    # Chains and affinity sets no longer used: a chain is flushed when it becomes stale (and
+    # again on full syncs) and deleted later; an affinity set is deleted at once.
+    if full:
+        now_used = plan.service_chains()
+        gone = state.chains - now_used
+        sets_used = set(plan.affinity_sets())
+        gone_sets = state.affinity_sets - sets_used
+        new.chains = now_used | gone
+        new.affinity_sets = sets_used
+    else:
+        before: set[str] = set()
+        now_used = set()
+        sets_before: set[str] = set()
+        sets_used: set[str] = set()
+        for name in changed:
+            if (old := state.blocks.get(name)) is not None:
+                before.update(c.name for c in old.chains)
+                sets_before.update(s.name for s in old.affinity_sets)
+            if (block := plan.blocks.get(name)) is not None:
+                now_used.update(c.name for c in block.chains)
+                sets_used.update(s.name for s in block.affinity_sets)
+        gone = (before - now_used) & state.chains
+        gone_sets = (sets_before - sets_used) & state.affinity_sets
+        new.chains = state.chains | now_used
+        new.affinity_sets = (state.affinity_sets - gone_sets) | sets_used
+    for chain in sorted(gone):
+        if chain not in state.stale:
+            out.stale_flushed.append(chain)
+            new.stale[chain] = now
+        tx.flush_chain(chain)
+    for chain in now_used:
+        new.stale.pop(chain, None)
+    for name in sorted(gone_sets):
+        tx.delete_container("set", name)
+
+    _write_elements(tx, plan, state, new, changed, full=full)
+    return out
+
+
+def _write_elements(
+    tx: Transaction,
+    plan: NftablesPlan,
+    state: TableState,
+    new: TableState,
+    changed: set[ServicePortName],
+    *,
+    full: bool,
+) -> None:
+    """Element adds and deletes for the keys the changed service ports touch (all keys on a
+    full sync). A key claimed by two ports takes the value of the later port by name."""
+    if full:
+        new.owners = {}
+        for name, block in plan.blocks.items():
+            for el in block.elements:
+                new.owners.setdefault((el.container, el.key), set()).add(name)
+        affected = set(new.owners) | {(c, k) for c, els in state.elements.items() for k in els}
+    else:
+        affected = set()
+        for name in changed:
+            old = state.blocks.get(name)
+            if old is not None:
+                for el in old.elements:
+                    key = (el.container, el.key)
+                    affected.add(key)
+                    owners = new.owners.get(key)
+                    if owners is not None:
+                        owners.discard(name)
+                        if not owners:
+                            del new.owners[key]
+            block = plan.blocks.get(name)
+            if block is not None:
+                for el in block.elements:
+                    key = (el.container, el.key)
+                    affected.add(key)
+                    new.owners.setdefault(key, set()).add(name)
+    adds: list[Element] = []
+    deletes: list[tuple[str, str]] = []
+    for key in sorted(affected):
+        container, k = key
+        owners = new.owners.get(key)
+        want = None
+        if owners:
+            winner = plan.blocks[max(owners)]
+            want = next(el for el in winner.elements if (el.container, el.key) == key)
+        have = state.elements.get(container, {}).get(k)
+        if want == have:
+            continue
+        if have is not None:
+            deletes.append(key)
+            del new.elements[container][k]
+        if want is not None:
+            adds.append(want)
+            new.elements.setdefault(container, {})[k] = want
+    for container, k in deletes:
+        tx.delete_element(container, k)
+    for el in adds:
+        tx.add_element(el)
+
+
+def stale_chain_deletions(state: TableState, now: float) -> tuple[Transaction, list[str]]:
+    """The separate transaction deleting chains stale for longer than STALE_CHAIN_DELAY."""
+    tx = Transaction()
+    due = sorted(c for c, t in state.stale.items() if now - t >= STALE_CHAIN_DELAY)
+    for chain in due:
+        tx.delete_chain(chain)
+    return tx, due
