@@ -419,6 +419,26 @@ def test_metrics_and_health_servers_answer_like_upstream(env: Env) -> None:
     assert code == 200 and '"healthy": true' in body
 
 
+def test_status_over_the_admin_socket(env: Env) -> None:
+    import json as _json
+    import subprocess
+
+    web(env)
+    write(env.source / "bad.yaml", service("bad", "10.96.0.300", WEB_PORTS))
+    env.proxy.start()
+    argv = [sys.executable, "-m", "kproxy.cli", "status", "--state-dir", str(env.proxy.state_dir)]
+    out = subprocess.run([*argv, "--json"], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    st = _json.loads(out.stdout)
+    assert st["running"] and st["mode"] == env.mode and st["syncs"] >= 1
+    assert st["invalid_objects"] == 1 and "spec.clusterIP" in st["rejections"][0]
+    human = subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+    assert f"mode:            {env.mode}" in human and "Service default/bad" in human
+    env.proxy.kill()
+    gone = subprocess.run(argv, capture_output=True, text=True, check=False)
+    assert gone.returncode == 1 and "NOT running" in gone.stdout
+
+
 def rules(env: Env) -> list[str]:
     """Our rules in the node, without counters (for before/after comparisons)."""
     tool = f"iptables-{env.backend}-save"

@@ -21,6 +21,7 @@ from kproxy import __version__
 from kproxy.config import ConfigError, ProxyConfig, apply_flags, load_config
 from kproxy.dataplane.base import DataplaneUnavailable, check_mode_available
 from kproxy.dataplane.facts import NodeFacts
+from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.lab.cli import lab_app
 
 app = typer.Typer(
@@ -255,7 +256,7 @@ def run(
     node_ip: NodeIpOpt = None,
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="Where failed restore inputs and state are kept.")
-    ] = Path("/var/run/kproxy"),
+    ] = DEFAULT_STATE_DIR,
     verbose: VerboseOpt = 1,
 ) -> None:
     """Run the proxy in the current network namespace (use `ip netns exec` for a lab node).
@@ -477,6 +478,65 @@ def cleanup(
         typer.echo("nothing to remove: no kproxy or kube-proxy iptables state here")
     for obj in removed:
         typer.echo(f"{verb} {obj}")
+
+
+# --- status --------------------------------------------------------------------------------------
+
+StateDirOpt = Annotated[
+    Path, typer.Option("--state-dir", help="The state dir of the kproxy to ask (as given to run).")
+]
+
+
+def _age(ts: float | None) -> str:
+    import time
+
+    if not ts:
+        return "never"
+    return f"{time.time() - ts:.1f} s ago"
+
+
+@app.command()
+def status(
+    state_dir: StateDirOpt = DEFAULT_STATE_DIR,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Mode, health, syncs and the last error of the running kproxy (over its admin socket)."""
+    from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
+
+    try:
+        st = call(state_dir / SOCKET_NAME, {"op": "status"}, timeout=10)
+        running = True
+    except AdminUnavailable as err:
+        saved = state_dir / "status.json"
+        if not saved.exists():
+            raise fail(str(err), code=1) from None
+        st = json.loads(saved.read_text())
+        running = False
+        typer.secho(
+            f"kproxy: {err}; showing the last saved status", err=True, fg=typer.colors.YELLOW
+        )
+    st["running"] = running
+    if as_json:
+        typer.echo(json.dumps(st, indent=2))
+        raise typer.Exit(0 if running else 1)
+    res = st.get("last_result") or {}
+    lines = [
+        f"mode:            {st.get('mode')}  (node {st.get('node')}, pid {st.get('pid')}, "
+        f"{'running' if running else 'NOT running'})",
+        f"last sync:       {_age(st.get('last_sync'))}, took {st.get('last_duration') or 0:.3f} s "
+        f"({'full' if res.get('full') else 'partial'}); "
+        f"last full sync {_age(st.get('last_full_sync'))}",
+        f"syncs:           {st.get('syncs')} ({st.get('full_syncs')} full), "
+        f"failures {st.get('failures')}",
+        f"service ports:   {st.get('services')}; rules owned {res.get('rules_total', {})}",
+        f"pending changes: {'yes' if st.get('pending') else 'no'}",
+        f"invalid objects: {st.get('invalid_objects')}",
+    ]
+    lines += [f"  - {r}" for r in st.get("rejections", [])[:20]]
+    if st.get("last_error"):
+        lines.append(f"last error:      {st['last_error']}")
+    typer.echo("\n".join(lines))
+    raise typer.Exit(0 if running else 1)
 
 
 # --- demo and version -----------------------------------------------------------------------------

@@ -147,27 +147,37 @@ class DeleteFilter:
     state: str | None = None
 
     def args(self, family: str = "ipv4") -> list[str]:
-        selective = [f.name for f in fields(self) if f.name not in ("proto", "state")
-                     and getattr(self, f.name) is not None]
+        selective = [
+            f.name
+            for f in fields(self)
+            if f.name not in ("proto", "state") and getattr(self, f.name) is not None
+        ]
         if not selective:
             raise ConntrackError(f"refusing an unselective conntrack delete ({self})")
         if (self.orig_sport is not None or self.orig_dport is not None or self.state) and (
-                self.proto not in ("tcp", "udp", "sctp", "dccp", "udplite")):
+            self.proto not in ("tcp", "udp", "sctp", "dccp", "udplite")
+        ):
             raise ConntrackError(f"ports and states need a port protocol, not {self.proto!r}")
         argv = ["-D", "-f", family, "-p", self.proto]
-        for flag, value in (("--orig-src", self.orig_src), ("--orig-dst", self.orig_dst),
-                            ("--orig-port-src", self.orig_sport),
-                            ("--orig-port-dst", self.orig_dport),
-                            ("--reply-src", self.reply_src), ("--reply-dst", self.reply_dst),
-                            ("--state", self.state)):
+        for flag, value in (
+            ("--orig-src", self.orig_src),
+            ("--orig-dst", self.orig_dst),
+            ("--orig-port-src", self.orig_sport),
+            ("--orig-port-dst", self.orig_dport),
+            ("--reply-src", self.reply_src),
+            ("--reply-dst", self.reply_dst),
+            ("--state", self.state),
+        ):
             if value is not None:
                 argv += [flag, str(value)]
         return argv
 
 
-def stale_udp_filters(entries: Iterable[ConntrackEntry],
-                      service_ips: Mapping[tuple[str, int], set[str]],
-                      node_ports: Mapping[int, set[str]]) -> list[DeleteFilter]:
+def stale_udp_filters(
+    entries: Iterable[ConntrackEntry],
+    service_ips: Mapping[tuple[str, int], set[str]],
+    node_ports: Mapping[int, set[str]],
+) -> list[DeleteFilter]:
     """The deletes upstream's reconciler would do for these entries (pure; sorted, unique).
 
     service_ips: (service IP, port) of every UDP ClusterIP / LoadBalancer / external IP ->
@@ -182,14 +192,23 @@ def stale_udp_filters(entries: Iterable[ConntrackEntry],
             continue
         serving = service_ips.get((entry.orig_dst, entry.orig_dport))
         if serving is not None and entry.reply_src not in serving:
-            found.add(DeleteFilter("udp", orig_dst=entry.orig_dst, orig_dport=entry.orig_dport,
-                                   reply_src=entry.reply_src))
+            found.add(
+                DeleteFilter(
+                    "udp",
+                    orig_dst=entry.orig_dst,
+                    orig_dport=entry.orig_dport,
+                    reply_src=entry.reply_src,
+                )
+            )
         serving = node_ports.get(entry.orig_dport)
         if serving is not None and entry.reply_src not in serving:
-            found.add(DeleteFilter("udp", orig_dport=entry.orig_dport,
-                                   reply_src=entry.reply_src))
-    return sorted(found, key=lambda f: tuple("" if v is None else str(v) for v in
-                                             (f.orig_dst, f.orig_dport, f.reply_src)))
+            found.add(DeleteFilter("udp", orig_dport=entry.orig_dport, reply_src=entry.reply_src))
+    return sorted(
+        found,
+        key=lambda f: tuple(
+            "" if v is None else str(v) for v in (f.orig_dst, f.orig_dport, f.reply_src)
+        ),
+    )
 
 
 def _count_printed(stdout: str) -> int:
@@ -200,8 +219,9 @@ def _count_printed(stdout: str) -> int:
 class Conntrack:
     """The conntrack table of one namespace (None: the caller's own) and family."""
 
-    def __init__(self, netns: str | None = None, *, family: str = "ipv4",
-                 runner: Runner | None = None) -> None:
+    def __init__(
+        self, netns: str | None = None, *, family: str = "ipv4", runner: Runner | None = None
+    ) -> None:
         if family not in ("ipv4", "ipv6"):
             raise ValueError(f"unknown family {family!r}")
         self.netns = netns
@@ -211,8 +231,9 @@ class Conntrack:
     def __repr__(self) -> str:
         return f"Conntrack(netns={self.netns!r}, family={self.family!r})"
 
-    def _run(self, args: Sequence[str], input_data: str | None = None
-             ) -> subprocess.CompletedProcess[str]:
+    def _run(
+        self, args: Sequence[str], input_data: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return self._runner(in_netns(["conntrack", *args], self.netns), input_data)
 
     def list_entries(self, proto: str | None = "udp") -> list[ConntrackEntry]:
@@ -222,18 +243,34 @@ class Conntrack:
             args += ["-p", proto]
         proc = self._run(args)
         if proc.returncode != 0:
-            raise ConntrackError(f"conntrack -L failed with exit code {proc.returncode}: "
-                                 f"{proc.stderr.strip()}")
+            raise ConntrackError(
+                f"conntrack -L failed with exit code {proc.returncode}: {proc.stderr.strip()}"
+            )
         return parse_entries(proc.stdout)
 
-    def delete(self, proto: str = "udp", *, orig_src: str | None = None,
-               orig_dst: str | None = None, orig_sport: int | None = None,
-               orig_dport: int | None = None, reply_src: str | None = None,
-               reply_dst: str | None = None, state: str | None = None) -> int:
+    def delete(
+        self,
+        proto: str = "udp",
+        *,
+        orig_src: str | None = None,
+        orig_dst: str | None = None,
+        orig_sport: int | None = None,
+        orig_dport: int | None = None,
+        reply_src: str | None = None,
+        reply_dst: str | None = None,
+        state: str | None = None,
+    ) -> int:
         """Delete the flows matching every given field; returns how many went."""
-        flt = DeleteFilter(proto, orig_src=orig_src, orig_dst=orig_dst, orig_sport=orig_sport,
-                           orig_dport=orig_dport, reply_src=reply_src, reply_dst=reply_dst,
-                           state=state)
+        flt = DeleteFilter(
+            proto,
+            orig_src=orig_src,
+            orig_dst=orig_dst,
+            orig_sport=orig_sport,
+            orig_dport=orig_dport,
+            reply_src=reply_src,
+            reply_dst=reply_dst,
+            state=state,
+        )
         return self._delete_one(flt)
 
     def _delete_one(self, flt: DeleteFilter) -> int:
@@ -241,8 +278,10 @@ class Conntrack:
         summary = _DELETED_RE.search(proc.stderr)
         # Exit 1 with "0 flow entries have been deleted" just means nothing matched.
         if proc.returncode != 0 and not (summary and summary.group(1) == "0"):
-            raise ConntrackError(f"conntrack {' '.join(flt.args(self.family))} failed with "
-                                 f"exit code {proc.returncode}: {proc.stderr.strip()}")
+            raise ConntrackError(
+                f"conntrack {' '.join(flt.args(self.family))} failed with "
+                f"exit code {proc.returncode}: {proc.stderr.strip()}"
+            )
         return int(summary.group(1)) if summary else _count_printed(proc.stdout)
 
     def delete_many(self, filters: Sequence[DeleteFilter]) -> int:
@@ -258,8 +297,11 @@ class Conntrack:
         deleted = _count_printed(proc.stdout)
         if proc.returncode == 0:
             return deleted
-        log.warning("conntrack -R failed (exit %d: %s); deleting one filter at a time",
-                    proc.returncode, proc.stderr.strip())
+        log.warning(
+            "conntrack -R failed (exit %d: %s); deleting one filter at a time",
+            proc.returncode,
+            proc.stderr.strip(),
+        )
         return deleted + sum(self._delete_one(flt) for flt in filters)
 
     def count(self) -> int:
@@ -268,8 +310,10 @@ class Conntrack:
         try:
             return int(proc.stdout.strip())
         except ValueError:
-            raise ConntrackError(f"conntrack -C failed with exit code {proc.returncode}: "
-                                 f"{proc.stderr.strip() or proc.stdout.strip()}") from None
+            raise ConntrackError(
+                f"conntrack -C failed with exit code {proc.returncode}: "
+                f"{proc.stderr.strip() or proc.stdout.strip()}"
+            ) from None
 
     def max(self) -> int:
         """nf_conntrack_max as this namespace sees it (global on older kernels)."""
@@ -280,9 +324,13 @@ class Conntrack:
             raise ConntrackError(f"cannot read {CONNTRACK_MAX}: {proc.stderr.strip()}") from None
 
 
-def cleanup_stale_udp(service_ips: Mapping[tuple[str, int], set[str]],
-                      node_ports: Mapping[int, set[str]], netns: str | None = None, *,
-                      conntrack: Conntrack | None = None) -> int:
+def cleanup_stale_udp(
+    service_ips: Mapping[tuple[str, int], set[str]],
+    node_ports: Mapping[int, set[str]],
+    netns: str | None = None,
+    *,
+    conntrack: Conntrack | None = None,
+) -> int:
     """Delete UDP flows to Service IPs / NodePorts that no serving endpoint answers.
 
     One dump, then one batch of grouped deletes; returns the number of flows deleted.
@@ -298,8 +346,9 @@ def cleanup_stale_udp(service_ips: Mapping[tuple[str, int], set[str]],
     return deleted
 
 
-def delete_unreplied_syn(dst_ip: str, netns: str | None = None, *,
-                         conntrack: Conntrack | None = None) -> int:
+def delete_unreplied_syn(
+    dst_ip: str, netns: str | None = None, *, conntrack: Conntrack | None = None
+) -> int:
     """Delete TCP SYN_SENT flows to `dst_ip` (the null-binding entries of a rule gap, G13).
 
     Selected by state, never by --status UNREPLIED, so established flows are safe.

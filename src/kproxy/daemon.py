@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -10,8 +11,10 @@ from pathlib import Path
 from kproxy.config import ProxyConfig, rule_options
 from kproxy.conntrack import cleanup_stale_udp
 from kproxy.dataplane.registry import create_dataplane
+from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.node_tuning import apply_conntrack_config, apply_oom_score
+from kproxy.server.admin import SOCKET_NAME, AdminServer
 from kproxy.server.http import HealthState, health_server, metrics_server
 from kproxy.server.metrics import ProxyMetrics
 from kproxy.sources.files import FileSource
@@ -65,6 +68,10 @@ class Daemon:
             udp_cleaner=lambda ips, ports: cleanup_stale_udp(ips, ports),
             observers=[self.metrics, self.health, StatusFile(self)],
         )
+        self.admin = AdminServer(
+            (state_dir or DEFAULT_STATE_DIR) / SOCKET_NAME,
+            {"status": lambda _: {"ok": True, **self.status()}, "sync": self._sync_request},
+        )
         hard = config.bind_address_hard_fail
         self.servers = [
             metrics_server(
@@ -78,6 +85,11 @@ class Daemon:
         for server in self.servers:
             server.start()
         self.loop.start(self.source)
+        self.admin.start()
+
+    def _sync_request(self, _: dict[str, object]) -> dict[str, object]:
+        self.loop.request_full_sync()
+        return {"ok": True, "queued": "full sync"}
 
     def status(self) -> dict[str, object]:
         st = self.loop.status
@@ -97,6 +109,14 @@ class Daemon:
             "invalid_objects": st.invalid_objects,
             "generation": self.tracker.generation,
             "pending": self.loop.pending,
+            "last_result": dataclasses.asdict(st.last_result) if st.last_result else None,
+            "conntrack_deleted": st.conntrack_deleted,
+            "rejections": [
+                str(r)
+                for r in (
+                    self.loop.applied_snapshot.rejections if self.loop.applied_snapshot else ()
+                )
+            ],
         }
 
     def write_status(self) -> None:
@@ -112,6 +132,7 @@ class Daemon:
             log.warning("could not write status: %s", err)
 
     def stop(self) -> None:
+        self.admin.stop()
         self.source.stop()
         self.loop.stop()
         for server in self.servers:

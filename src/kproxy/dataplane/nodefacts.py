@@ -41,14 +41,16 @@ def _ip(netns: str | None, *args: str) -> list[str]:
 def _json(runner: Runner, argv: list[str]) -> list[dict[str, Any]]:
     proc = runner(argv, None)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed with exit code {proc.returncode}: "
-                           f"{proc.stderr.strip()}")
+        raise RuntimeError(
+            f"{' '.join(argv)} failed with exit code {proc.returncode}: {proc.stderr.strip()}"
+        )
     data = json.loads(proc.stdout or "[]")
     return data if isinstance(data, list) else []
 
 
-def interface_addresses(netns: str | None = None, *, runner: Runner | None = None
-                        ) -> list[tuple[str, str, str]]:
+def interface_addresses(
+    netns: str | None = None, *, runner: Runner | None = None
+) -> list[tuple[str, str, str]]:
     """(interface, IPv4 address, scope) for every address, in interface-index order."""
     run = runner or run_command
     out: list[tuple[str, str, str]] = []
@@ -59,18 +61,23 @@ def interface_addresses(netns: str | None = None, *, runner: Runner | None = Non
     return out
 
 
-def default_route_interfaces(netns: str | None = None, *, runner: Runner | None = None
-                             ) -> list[str]:
+def default_route_interfaces(
+    netns: str | None = None, *, runner: Runner | None = None
+) -> list[str]:
     """Interfaces holding an IPv4 default route of the main table, in route order."""
     run = runner or run_command
-    return [route["dev"] for route in _json(run, _ip(netns, "-j", "-4", "route", "show",
-                                                     "default"))
-            if route.get("dev")]
+    return [
+        route["dev"]
+        for route in _json(run, _ip(netns, "-j", "-4", "route", "show", "default"))
+        if route.get("dev")
+    ]
 
 
-def pick_node_ips(addresses: Sequence[tuple[str, str, str]], default_devs: Sequence[str]
-                  ) -> tuple[str, ...]:
+def pick_node_ips(
+    addresses: Sequence[tuple[str, str, str]], default_devs: Sequence[str]
+) -> tuple[str, ...]:
     """First global non-loopback address on the default-route interface, else first non-loopback."""
+
     def usable(address: str) -> bool:
         return not ipaddress.ip_address(address).is_loopback
 
@@ -100,8 +107,7 @@ def parse_nfacct_list(text: str) -> frozenset[str]:
     return frozenset(_NFACCT_RE.findall(text))
 
 
-def read_proc(path: str, netns: str | None = None, *, runner: Runner | None = None
-              ) -> str | None:
+def read_proc(path: str, netns: str | None = None, *, runner: Runner | None = None) -> str | None:
     """Contents of a /proc file as the namespace sees it; None when it does not exist."""
     if netns is None and runner is None:
         try:
@@ -121,9 +127,13 @@ def tcp_be_liberal(netns: str | None = None, *, runner: Runner | None = None) ->
         return False
 
 
-def detect_node_facts(netns: str | None = None, backend: IptablesBackend | None = None,
-                      node_ips: Sequence[str] = (), *, runner: Runner | None = None
-                      ) -> NodeFacts:
+def detect_node_facts(
+    netns: str | None = None,
+    backend: IptablesBackend | None = None,
+    node_ips: Sequence[str] = (),
+    *,
+    runner: Runner | None = None,
+) -> NodeFacts:
     """NodeFacts of the node (or of `netns`).
 
     node_ips: as given, else the first global-scope non-loopback IPv4 address of the

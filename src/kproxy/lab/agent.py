@@ -410,7 +410,12 @@ class ProbeAgent:
         self, proto: str, dst: str, port: int, timeout: float = 1.0, sport: int | None = None
     ) -> ProbeResult:
         data = self._call(
-            "request", timeout + CALL_SLACK, proto=proto, dst=dst, port=port, timeout=timeout,
+            "request",
+            timeout + CALL_SLACK,
+            proto=proto,
+            dst=dst,
+            port=port,
+            timeout=timeout,
             sport=sport,
         )
         return ProbeResult.from_dict(data)
@@ -427,8 +432,15 @@ class ProbeAgent:
     ) -> list[ProbeResult]:
         rounds = -(-count // max(1, concurrency))
         data = self._call(
-            "request_many", rounds * timeout + CALL_SLACK, proto=proto, dst=dst, port=port,
-            timeout=timeout, count=count, concurrency=concurrency, sport=sport,
+            "request_many",
+            rounds * timeout + CALL_SLACK,
+            proto=proto,
+            dst=dst,
+            port=port,
+            timeout=timeout,
+            count=count,
+            concurrency=concurrency,
+            sport=sport,
         )
         return [ProbeResult.from_dict(item) for item in data]
 

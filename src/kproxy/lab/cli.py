@@ -38,8 +38,10 @@ def _describe(lab: Lab) -> dict[str, Any]:
 
 def _print_human(lab: Lab) -> None:
     echo = typer.echo
-    echo(f"  {'node':<8} {lab.node_ns:<16} {lab.node_ip:<12} br-ext, default via "
-         f"{lab.node_gateway} (nothing there)")
+    echo(
+        f"  {'node':<8} {lab.node_ns:<16} {lab.node_ip:<12} br-ext, default via "
+        f"{lab.node_gateway} (nothing there)"
+    )
     for ns, ip in zip(lab.client_ns, lab.client_ips, strict=True):
         echo(f"  {'client':<8} {ns:<16} {ip:<12} default via {lab.node_ip}")
     for spec, ns in zip(lab.pods, lab.pod_ns, strict=True):
@@ -148,8 +150,9 @@ def list_labs(
     for lab in labs:
         status = "running" if lab.is_running() else "stale (namespaces gone)"
         owner = "owner running" if lab.owner_alive() else "owner exited"
-        typer.echo(f"{lab.id}: {status}, {owner}, {len(lab.pods)} pods, "
-                   f"{len(lab.client_ns)} clients")
+        typer.echo(
+            f"{lab.id}: {status}, {owner}, {len(lab.pods)} pods, {len(lab.client_ns)} clients"
+        )
         _print_human(lab)
 
 

@@ -191,8 +191,10 @@ class Lab:
     ) -> None:
         if not (prefix.isascii() and prefix.isalnum() and 0 < len(prefix) <= 6):
             raise ValueError("prefix must be 1-6 ASCII letters/digits")
-        specs = [PodSpec(f"pod{i}") for i in range(1, pods + 1)] if isinstance(pods, int) else (
-            list(pods)
+        specs = (
+            [PodSpec(f"pod{i}") for i in range(1, pods + 1)]
+            if isinstance(pods, int)
+            else (list(pods))
         )
         if not 0 < len(specs) <= MAX_PODS or not 0 <= clients <= MAX_CLIENTS:
             raise ValueError(f"need 1..{MAX_PODS} pods and 0..{MAX_CLIENTS} clients")
@@ -454,14 +456,21 @@ class Lab:
         node = self.node_ns
         # Before any interface exists, so every interface inherits rp_filter=0 from
         # "default" (new namespaces copy the host's all/default values).
-        self._wait_all([self._sysctl(node, {
-            "net.ipv4.ip_forward": 1,
-            "net.ipv4.conf.all.rp_filter": 0,
-            "net.ipv4.conf.default.rp_filter": 0,
-            # The kernel rate-limits ICMP errors per client (a burst, then 1/s), so a REJECTed
-            # service (no endpoints) would look like a timeout to a test sending many probes.
-            "net.ipv4.icmp_ratelimit": 0,
-        })])
+        self._wait_all(
+            [
+                self._sysctl(
+                    node,
+                    {
+                        "net.ipv4.ip_forward": 1,
+                        "net.ipv4.conf.all.rp_filter": 0,
+                        "net.ipv4.conf.default.rp_filter": 0,
+                        # The kernel rate-limits ICMP errors per client (a burst, then
+                        # 1/s): a REJECTed service would look like a timeout to many probes.
+                        "net.ipv4.icmp_ratelimit": 0,
+                    },
+                )
+            ]
+        )
 
         lines = [
             "link set lo up",
@@ -495,20 +504,30 @@ class Lab:
             veth_settings[f"net.ipv4.neigh.veth-p{i}.proxy_delay"] = 0
         batches.append(self._sysctl(node, veth_settings))
         for ns, ip in zip(self.pod_ns, self.pod_ips.values(), strict=True):
-            batches.append(self._ip_batch([
-                "link set lo up",
-                f"addr add {ip}/32 dev eth0",
-                "link set eth0 up",
-                f"route add {POD_GATEWAY} dev eth0 scope link",
-                f"route add default via {POD_GATEWAY} dev eth0",
-            ], ns))
+            batches.append(
+                self._ip_batch(
+                    [
+                        "link set lo up",
+                        f"addr add {ip}/32 dev eth0",
+                        "link set eth0 up",
+                        f"route add {POD_GATEWAY} dev eth0 scope link",
+                        f"route add default via {POD_GATEWAY} dev eth0",
+                    ],
+                    ns,
+                )
+            )
         for ns, ip in zip(self.client_ns, self.client_ips, strict=True):
-            batches.append(self._ip_batch([
-                "link set lo up",
-                f"addr add {ip}/{EXTERNAL_PREFIX_LEN} dev eth0",
-                "link set eth0 up",
-                f"route add default via {NODE_IP}",
-            ], ns))
+            batches.append(
+                self._ip_batch(
+                    [
+                        "link set lo up",
+                        f"addr add {ip}/{EXTERNAL_PREFIX_LEN} dev eth0",
+                        "link set eth0 up",
+                        f"route add default via {NODE_IP}",
+                    ],
+                    ns,
+                )
+            )
         if self.no_time_wait:
             # G5: TIME_WAIT sockets in pods/clients distort sequential-connection benchmarks.
             batches += [
@@ -521,9 +540,15 @@ class Lab:
         self, ns: str, name: str, tcp_ports: Sequence[int], udp_ports: Sequence[int], log: str
     ) -> subprocess.Popen[Any]:
         argv = [
-            self.python, "-m", "kproxy.lab.podserver", "--name", name,
-            "--tcp", ",".join(map(str, tcp_ports)),
-            "--udp", ",".join(map(str, udp_ports)),
+            self.python,
+            "-m",
+            "kproxy.lab.podserver",
+            "--name",
+            name,
+            "--tcp",
+            ",".join(map(str, tcp_ports)),
+            "--udp",
+            ",".join(map(str, udp_ports)),
         ]
         return self._spawn(ns, argv, "podserver", log=log, stdout=subprocess.PIPE)
 
@@ -655,8 +680,7 @@ class Lab:
         except (OSError, json.JSONDecodeError) as exc:
             raise LabError(f"no lab {lab_id!r}: {exc}") from exc
         specs = [
-            PodSpec(p["name"], tuple(p["tcp_ports"]), tuple(p["udp_ports"]))
-            for p in state["pods"]
+            PodSpec(p["name"], tuple(p["tcp_ports"]), tuple(p["udp_ports"])) for p in state["pods"]
         ]
         lab = cls(
             pods=specs,

@@ -306,8 +306,9 @@ class FileSource:
             return
         thread.join(_JOIN_TIMEOUT)
         if thread.is_alive():
-            logger.warning("file watcher for %s did not stop within %.0fs", self.path,
-                           _JOIN_TIMEOUT)
+            logger.warning(
+                "file watcher for %s did not stop within %.0fs", self.path, _JOIN_TIMEOUT
+            )
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_interval):
@@ -326,8 +327,9 @@ class FileSource:
         except Exception:
             # The view has already moved on: re-sending the same batch would most likely fail
             # the same way, and a stuck source is worse than one lost update.
-            logger.exception("object sink failed on a batch of %d events from %s",
-                             len(batch), self.path)
+            logger.exception(
+                "object sink failed on a batch of %d events from %s", len(batch), self.path
+            )
 
     def _poll(self) -> list[ObjectEvent]:
         """Re-read what changed on disk; the events turning the old view into the new one."""
@@ -345,9 +347,7 @@ class FileSource:
                 logger.warning("%s", _duplicate_message(key, paths))
         self._dups = dups
         events = [
-            ObjectEvent(k, copy.deepcopy(o))
-            for k, o in new_view.items()
-            if self._view.get(k) != o
+            ObjectEvent(k, copy.deepcopy(o)) for k, o in new_view.items() if self._view.get(k) != o
         ]
         events.extend(ObjectEvent(k, None) for k in self._view if k not in new_view)
         self._view = new_view

@@ -74,8 +74,9 @@ Version = tuple[int, int, int]
 Runner = Callable[[Sequence[str], str | None], "subprocess.CompletedProcess[str]"]
 
 
-def run_command(argv: Sequence[str], input_data: str | None = None
-                ) -> subprocess.CompletedProcess[str]:
+def run_command(
+    argv: Sequence[str], input_data: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """Default runner: capture text output, never raise on a non-zero exit."""
     try:
         return subprocess.run(
@@ -111,8 +112,9 @@ def parse_version(text: str) -> Version | None:
 class IptablesError(Exception):
     """An iptables tool failed; carries what it said."""
 
-    def __init__(self, message: str, *, command: Sequence[str] = (), returncode: int = 0,
-                 stderr: str = "") -> None:
+    def __init__(
+        self, message: str, *, command: Sequence[str] = (), returncode: int = 0, stderr: str = ""
+    ) -> None:
         super().__init__(message)
         self.command = list(command)
         self.returncode = returncode
@@ -126,8 +128,9 @@ class RestoreError(IptablesError):
     `line_number` (1-based) and `line_text` name the line the tool reported, when it did.
     """
 
-    def __init__(self, *, tool: str, command: Sequence[str], returncode: int, stderr: str,
-                 input_data: str) -> None:
+    def __init__(
+        self, *, tool: str, command: Sequence[str], returncode: int, stderr: str, input_data: str
+    ) -> None:
         self.tool = tool
         self.returncode = returncode
         self.input_data = input_data
@@ -136,11 +139,9 @@ class RestoreError(IptablesError):
         self.reason = restore_reason(stderr)
         # iptables-nft checks jump targets only at COMMIT and blames that line; point at
         # the rule that jumps to the missing chain as well.
-        self.suspect_line_number = _missing_chain_jump(input_data, self.line_number,
-                                                       self.reason)
+        self.suspect_line_number = _missing_chain_jump(input_data, self.line_number, self.reason)
         self.suspect_line_text = _line_of(input_data, self.suspect_line_number)
-        super().__init__(self._sentence(), command=command, returncode=returncode,
-                         stderr=stderr)
+        super().__init__(self._sentence(), command=command, returncode=returncode, stderr=stderr)
 
     def _sentence(self) -> str:
         why = f": {self.reason}" if self.reason else ""
@@ -152,8 +153,10 @@ class RestoreError(IptablesError):
             where = f"line {self.line_number} ({self.line_text.strip()!r})"
         suspect = ""
         if self.suspect_line_text is not None:
-            suspect = (f"; the jump is on line {self.suspect_line_number} "
-                       f"({self.suspect_line_text.strip()!r})")
+            suspect = (
+                f"; the jump is on line {self.suspect_line_number} "
+                f"({self.suspect_line_text.strip()!r})"
+            )
         return f"{self.tool} rejected {where}{why}{suspect}"
 
     def context(self, radius: int = 2) -> str:
@@ -296,8 +299,14 @@ def command_wait_flags(version: Version) -> list[str]:
 class IptablesBackend:
     """iptables-restore/-save/-C/-D for one family and flavour, optionally in a namespace."""
 
-    def __init__(self, flavour: str = "nft", *, family: str = "ipv4", netns: str | None = None,
-                 runner: Runner | None = None) -> None:
+    def __init__(
+        self,
+        flavour: str = "nft",
+        *,
+        family: str = "ipv4",
+        netns: str | None = None,
+        runner: Runner | None = None,
+    ) -> None:
         if flavour not in FLAVOURS:
             raise ValueError(f"unknown iptables flavour {flavour!r}; expected one of {FLAVOURS}")
         if family not in FAMILIES:
@@ -316,8 +325,9 @@ class IptablesBackend:
     def __repr__(self) -> str:
         return f"IptablesBackend({self.flavour!r}, family={self.family!r}, netns={self.netns!r})"
 
-    def _run(self, argv: Sequence[str], input_data: str | None = None
-             ) -> subprocess.CompletedProcess[str]:
+    def _run(
+        self, argv: Sequence[str], input_data: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return self._runner(in_netns(argv, self.netns), input_data)
 
     # -- features ---------------------------------------------------------------------------
@@ -328,9 +338,13 @@ class IptablesBackend:
             proc = self._run([self.iptables_bin, "--version"])
             found = parse_version(proc.stdout + proc.stderr) if proc.returncode == 0 else None
             if found is None:
-                log.warning("cannot read the version of %s (exit %d: %s); assuming %s",
-                            self.iptables_bin, proc.returncode, proc.stderr.strip(),
-                            ".".join(map(str, MIN_VERSION)))
+                log.warning(
+                    "cannot read the version of %s (exit %d: %s); assuming %s",
+                    self.iptables_bin,
+                    proc.returncode,
+                    proc.stderr.strip(),
+                    ".".join(map(str, MIN_VERSION)),
+                )
                 found = MIN_VERSION
             self._version = found
         return self._version
@@ -350,8 +364,9 @@ class IptablesBackend:
                 answers = proc.returncode == 0 and found is not None
             self._restore_wait = restore_wait_flags(version, answers)
             if not self._restore_wait:
-                log.warning("%s has no --wait; restores run without the xtables lock",
-                            self.restore_bin)
+                log.warning(
+                    "%s has no --wait; restores run without the xtables lock", self.restore_bin
+                )
         return list(self._restore_wait)
 
     def command_wait_flags(self) -> list[str]:
@@ -373,8 +388,13 @@ class IptablesBackend:
         argv = self.restore_command(noflush=noflush, counters=counters)
         proc = self._run(argv, data)
         if proc.returncode != 0:
-            error = RestoreError(tool=self.restore_bin, command=in_netns(argv, self.netns),
-                                 returncode=proc.returncode, stderr=proc.stderr, input_data=data)
+            error = RestoreError(
+                tool=self.restore_bin,
+                command=in_netns(argv, self.netns),
+                returncode=proc.returncode,
+                stderr=proc.stderr,
+                input_data=data,
+            )
             # The caller decides how loudly to report and where to keep the input.
             log.debug("%s\n%s", error, error.context())
             raise error
@@ -396,8 +416,10 @@ class IptablesBackend:
         if proc.returncode != 0:
             raise IptablesError(
                 f"{self.save_bin} failed with exit code {proc.returncode}: {proc.stderr.strip()}",
-                command=in_netns(argv, self.netns), returncode=proc.returncode,
-                stderr=proc.stderr)
+                command=in_netns(argv, self.netns),
+                returncode=proc.returncode,
+                stderr=proc.stderr,
+            )
         if table is None or self.flavour != "legacy":
             return proc.stdout
         return _slice_table(proc.stdout, table)
@@ -437,7 +459,10 @@ class IptablesBackend:
         raise IptablesError(
             f"{self.iptables_bin} -S {chain} failed with exit code {proc.returncode}: "
             f"{proc.stderr.strip()}",
-            command=in_netns(argv, self.netns), returncode=proc.returncode, stderr=proc.stderr)
+            command=in_netns(argv, self.netns),
+            returncode=proc.returncode,
+            stderr=proc.stderr,
+        )
 
     def _rule_command(self, op: str, table: str, spec: Sequence[str]) -> list[str]:
         if not spec:
@@ -457,7 +482,10 @@ class IptablesBackend:
         raise IptablesError(
             f"{self.iptables_bin} -C failed with exit code {proc.returncode}: "
             f"{proc.stderr.strip()}",
-            command=in_netns(argv, self.netns), returncode=proc.returncode, stderr=proc.stderr)
+            command=in_netns(argv, self.netns),
+            returncode=proc.returncode,
+            stderr=proc.stderr,
+        )
 
     def delete_rule(self, table: str, spec: Sequence[str]) -> bool:
         """Delete the rule if it exists; True when something was deleted."""
@@ -469,8 +497,10 @@ class IptablesBackend:
             raise IptablesError(
                 f"{self.iptables_bin} -D failed with exit code {proc.returncode}: "
                 f"{proc.stderr.strip()}",
-                command=in_netns(argv, self.netns), returncode=proc.returncode,
-                stderr=proc.stderr)
+                command=in_netns(argv, self.netns),
+                returncode=proc.returncode,
+                stderr=proc.stderr,
+            )
         return True
 
 

@@ -199,7 +199,11 @@ def nodeport_ips(options: RuleOptions, facts: NodeFacts) -> list[str] | None:
         return list(facts.node_ips)
     # Only this family's CIDRs count (IPv4 now); an IPv6 address in iptables input would
     # make the whole restore fail.
-    nets = [n for n in (ipaddress.ip_network(c, strict=False) for c in options.node_port_addresses) if n.version == 4]
+    nets = [
+        n
+        for n in (ipaddress.ip_network(c, strict=False) for c in options.node_port_addresses)
+        if n.version == 4
+    ]
     if not nets:
         return None  # no CIDR of this family: every local address, as upstream
     out = []
@@ -538,7 +542,9 @@ def _dispatch(
         addr = ep.addr
         comment = "" if large else f'-m comment --comment "{name} -> {addr}" '
         if i < last:
-            rules.append(f"{head}{comment}-m statistic --mode random --probability {probability(n - i)} -j {seps[addr]}")
+            rules.append(
+                f"{head}{comment}-m statistic --mode random --probability {probability(n - i)} -j {seps[addr]}"
+            )
         else:
             rules.append(f"{head}{comment}-j {seps[addr]}")
 
