@@ -439,6 +439,34 @@ def test_status_over_the_admin_socket(env: Env) -> None:
     assert gone.returncode == 1 and "NOT running" in gone.stdout
 
 
+def test_snapshot_and_diff_see_what_the_kernel_programs(env: Env, tmp_path: Path) -> None:
+    import subprocess
+
+    web(
+        env,
+        type="NodePort",
+        externalIPs=["10.99.0.10"],
+        ports=[port("http", 80, "http", nodePort=30080)],
+    )
+    env.proxy.start()
+    cli = [sys.executable, "-m", "kproxy.cli"]
+    before, after = tmp_path / "a.json", tmp_path / "b.json"
+    env.lab.exec(env.lab.node_ns, [*cli, "snapshot", "-o", str(before)])
+    web(env)  # the externalIP goes away
+    env.sync()
+    env.lab.exec(env.lab.node_ns, [*cli, "snapshot", "-o", str(after)])
+    out = subprocess.run(
+        [*cli, "diff", str(before), str(after)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "missing in B: tcp 10.99.0.10:80 (default/web:http)" in out.stdout
+    assert f"present in A's iptables-{env.backend}" in out.stdout
+    same = subprocess.run(
+        [*cli, "diff", str(after), str(after)], capture_output=True, text=True, check=False
+    )
+    assert same.returncode == 0 and "missing" not in same.stdout
+
+
 def rules(env: Env) -> list[str]:
     """Our rules in the node, without counters (for before/after comparisons)."""
     tool = f"iptables-{env.backend}-save"

@@ -539,6 +539,54 @@ def status(
     raise typer.Exit(0 if running else 1)
 
 
+# --- snapshot and diff ---------------------------------------------------------------------------
+
+
+@app.command()
+def snapshot(
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write here (default: stdout).")
+    ] = None,
+) -> None:
+    """Record this node's dataplane (iptables of both backends, nftables, IPVS, ipsets,
+    kube-ipvs0, conntrack usage) as one JSON document. Read only."""
+    from kproxy.ops.snapshot import services, take
+
+    snap = take()
+    text = json.dumps(snap, indent=1) + "\n"
+    if output is None:
+        sys.stdout.write(text)
+        return
+    output.write_text(text)
+    found = services(snap)
+    summary = ", ".join(f"{name}: {len(keys)} service destinations" for name, keys in found.items())
+    typer.echo(f"wrote {output} ({summary or 'no kube-proxy dataplane found'})")
+
+
+@app.command()
+def diff(
+    a: Annotated[Path, typer.Argument(help="The earlier snapshot.")],
+    b: Annotated[Path, typer.Argument(help="The later snapshot.")],
+) -> None:
+    """Compare two snapshots, mode-aware: which service destinations one programs and the
+    other lacks, in which dataplane. Exit code 1 when B misses something A had."""
+    from kproxy.ops.snapshot import FORMAT
+    from kproxy.ops.snapshot import diff as compare
+
+    docs = []
+    for path in (a, b):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise fail(f"cannot read snapshot {path}: {err}") from None
+        if doc.get("format") != FORMAT:
+            raise fail(f"{path} is not a kproxy snapshot (format {doc.get('format')!r})")
+        docs.append(doc)
+    lines = compare(*docs)
+    typer.echo("\n".join(lines))
+    raise typer.Exit(1 if any(line.startswith("missing in B") for line in lines) else 0)
+
+
 # --- demo and version -----------------------------------------------------------------------------
 
 

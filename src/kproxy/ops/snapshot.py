@@ -1,0 +1,187 @@
+"""Record a node's whole dataplane as one JSON document, and compare two of them.
+
+A snapshot holds what the kernel has, whatever wrote it: iptables-save of both backends,
+the nftables ruleset, IPVS virtual servers, ipsets, kube-ipvs0's addresses and conntrack
+usage. `services()` reads the service ports each dataplane actually programs, so `diff`
+can say "present in A's iptables rules, missing from B's nftables maps" across a switch.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kproxy.dataplane.iptables.backend import in_netns
+
+FORMAT = "kproxy-snapshot/v1"
+# Service rules in KUBE-SERVICES, in either our restore order or iptables-save's order.
+_IPT_COMMENT = re.compile(
+    r'--comment "?(?P<name>[^" ]+) (?:cluster IP|external IP|loadbalancer IP)"?'
+)
+_IPT_PROTO = re.compile(r"-p (tcp|udp|sctp)\b")
+_IPT_DEST = re.compile(r"-d ([0-9.]+)(?:/32)?\b")
+_IPT_DPORT = re.compile(r"--dport (\d+)")
+
+
+def _iptables_service(line: str) -> tuple[ServiceKey, str] | None:
+    if not line.startswith("-A KUBE-SERVICES "):
+        return None
+    c, p, d, n = (r.search(line) for r in (_IPT_COMMENT, _IPT_PROTO, _IPT_DEST, _IPT_DPORT))
+    if not (c and p and d and n):
+        return None
+    return ServiceKey(d[1], p[1], int(n[1])), c["name"]
+
+
+def _run(
+    argv: Sequence[str], netns: str | None, input_data: str | None = None
+) -> tuple[int, str, str]:
+    if shutil.which(argv[0]) is None:
+        return 127, "", f"{argv[0]} is not installed"
+    proc = subprocess.run(
+        in_netns(argv, netns),
+        input=input_data,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _section(argv: Sequence[str], netns: str | None) -> dict[str, Any]:
+    code, out, err = _run(argv, netns)
+    return {"command": " ".join(argv), "ok": code == 0, "output": out, "error": err.strip()}
+
+
+def take(netns: str | None = None) -> dict[str, Any]:
+    """The node's dataplane now (read only; nothing is changed)."""
+    snap: dict[str, Any] = {
+        "format": FORMAT,
+        "taken_at": time.time(),
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "netns": netns,
+        "iptables-nft": _section(["iptables-nft-save"], netns),
+        "iptables-legacy": _section(["iptables-legacy-save"], netns),
+        "nftables": _section(["nft", "-j", "list", "ruleset"], netns),
+        "ipset": _section(["ipset", "save"], netns),
+        "ipvs": _section(["ipvsadm", "-S", "-n"], netns),
+        "kube-ipvs0": _section(["ip", "-j", "addr", "show", "dev", "kube-ipvs0"], netns),
+    }
+    code, out, _ = _run(["conntrack", "-C"], netns)
+    _, max_out, _ = _run(["cat", "/proc/sys/net/netfilter/nf_conntrack_max"], netns)
+    snap["conntrack"] = {
+        "count": int(out.strip()) if code == 0 and out.strip().isdigit() else None,
+        "max": int(max_out.strip()) if max_out.strip().isdigit() else None,
+    }
+    return snap
+
+
+@dataclass(frozen=True, order=True)
+class ServiceKey:
+    ip: str
+    proto: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.proto} {self.ip}:{self.port}"
+
+
+def services(snap: dict[str, Any]) -> dict[str, dict[ServiceKey, str]]:
+    """Per dataplane, the programmed service destinations -> the service they belong to."""
+    out: dict[str, dict[ServiceKey, str]] = {}
+    for backend in ("iptables-nft", "iptables-legacy"):
+        text = snap.get(backend, {}).get("output", "")
+        found: dict[ServiceKey, str] = {}
+        for line in text.splitlines():
+            hit = _iptables_service(line)
+            if hit:
+                found[hit[0]] = hit[1]
+        if found:
+            out[backend] = found
+    nft = _nft_services(snap.get("nftables", {}).get("output", ""))
+    if nft:
+        out["nftables"] = nft
+    ipvs = _ipvs_services(snap.get("ipvs", {}).get("output", ""))
+    if ipvs:
+        out["ipvs"] = ipvs
+    return out
+
+
+def _nft_services(text: str) -> dict[ServiceKey, str]:
+    if not text.strip():
+        return {}
+    try:
+        items = json.loads(text).get("nftables", [])
+    except ValueError:
+        return {}
+    found: dict[ServiceKey, str] = {}
+    for item in items:
+        m = item.get("map")
+        if not m or m.get("table") != "kube-proxy" or m.get("name") != "service-ips":
+            continue
+        for elem in m.get("elem", []):
+            key, verdict = elem[0], elem[1]
+            parts = key.get("concat", []) if isinstance(key, dict) else []
+            if len(parts) != 3:
+                continue
+            target = ""
+            for v in verdict.values() if isinstance(verdict, dict) else ():
+                if isinstance(v, dict):
+                    target = v.get("target", "")
+            # Chain names carry ns/svc/proto/port after an 8-character hash prefix.
+            name = target.split("-", 2)[-1] if target else ""
+            found[ServiceKey(str(parts[0]), str(parts[1]), int(parts[2]))] = name
+    return found
+
+
+def _ipvs_services(text: str) -> dict[ServiceKey, str]:
+    found: dict[ServiceKey, str] = {}
+    for line in text.splitlines():
+        # `-A -t 10.96.0.10:80 -s rr`
+        m = re.match(r"^-A -(?P<p>[tuq]) (?P<ip>[0-9.]+):(?P<port>\d+)", line)
+        if m:
+            proto = {"t": "tcp", "u": "udp", "q": "sctp"}[m["p"]]
+            found[ServiceKey(m["ip"], proto, int(m["port"]))] = ""
+    return found
+
+
+def diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Human findings: which service destinations one snapshot programs and the other lacks."""
+    sa, sb = services(a), services(b)
+    union_a = {k: v for d in sa.values() for k, v in d.items()}
+    union_b = {k: v for d in sb.values() for k, v in d.items()}
+    where_a = ", ".join(sorted(sa)) or "no dataplane"
+    where_b = ", ".join(sorted(sb)) or "no dataplane"
+    out = [
+        f"A programs {len(union_a)} service destinations ({where_a}); "
+        f"B programs {len(union_b)} ({where_b})"
+    ]
+    for key in sorted(set(union_a) - set(union_b)):
+        out.append(
+            f"missing in B: {key} ({union_a[key] or 'unnamed'}), present in A's {_owner(sa, key)}"
+        )
+    for key in sorted(set(union_b) - set(union_a)):
+        out.append(
+            f"extra in B: {key} ({union_b[key] or 'unnamed'}) in B's {_owner(sb, key)},"
+            " absent from A"
+        )
+    for name in sorted(set(sa) & set(sb)):
+        if sa[name] == sb[name]:
+            continue
+        out.append(f"{name} differs: {len(set(sa[name]) ^ set(sb[name]))} destinations")
+    ca, cb = a.get("conntrack", {}), b.get("conntrack", {})
+    if ca.get("count") is not None and cb.get("count") is not None:
+        out.append(f"conntrack entries: {ca['count']} -> {cb['count']} (max {cb.get('max')})")
+    return out
+
+
+def _owner(per_plane: dict[str, dict[ServiceKey, str]], key: ServiceKey) -> str:
+    return ", ".join(sorted(name for name, keys in per_plane.items() if key in keys))
