@@ -204,3 +204,20 @@ def test_failed_restore_keeps_input_and_forces_full_sync(
     assert "line 3" in (tmp_path / "iptables-failed-restore.error").read_text()
     result = plane.sync(t.snapshot(), full=False)
     assert result.full, "after a failure the next sync is full"
+
+
+def test_detach_removes_every_jump_in_one_restore_nat_first(
+    dp: tuple[IptablesDataplane, FakeBackend],
+) -> None:
+    plane, backend = dp
+    plane.sync(tracker_with(*svc(1)).snapshot(), full=True)
+    plane.detach()
+    data = backend.restores[-1]
+    assert data.index("*nat") < data.index("*filter")
+    deleted = [line for line in data.splitlines() if line.startswith("-D ")]
+    assert len(deleted) == 12  # upstream's jump list
+    assert (
+        '-D PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES'
+        in deleted
+    )
+    assert not any("KUBE-FIREWALL" in line for line in deleted), "kubelet's jumps stay"

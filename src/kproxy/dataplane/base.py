@@ -60,6 +60,11 @@ class Dataplane(Protocol):
     def drifted(self) -> bool:
         """Did someone else remove our state (e.g. a firewall reload)? Then a full sync is due."""
 
+    def detach(self) -> None:
+        """Take this mode out of the packet path in one atomic step (its entry points: jumps,
+        base chains). Its other state stays until cleanup(); established connections keep
+        their conntrack translation. A later sync(full=True) attaches it again."""
+
     def owned(self) -> list[OwnedObject]:
         """Kernel state of this mode that exists now (kproxy's or upstream kube-proxy's)."""
 

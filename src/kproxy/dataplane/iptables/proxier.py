@@ -196,24 +196,45 @@ class IptablesDataplane:
             )
         return not present
 
+    def _jumps(self) -> list[tuple[str, str, str]]:
+        """(table, position verb, rule) of every jump from a built-in chain into ours."""
+        wanted = [
+            (t, "-I", jump_rule(c, extra, comment, target))
+            for t, c, extra, comment, target in JUMPS
+        ]
+        if self.renderer.localhost_nodeports:
+            # kubelet's chain: never removed by detach (kubelet owns it and expects the jumps).
+            wanted += [(t, "-A", f"{c} -j {target}") for t, c, target in KUBELET_FIREWALL_JUMPS]
+        return wanted
+
+    def _present(self, table: str, rule: str) -> bool:
+        try:
+            return self.backend.check_rule(table, rule_spec(rule))
+        except IptablesError as err:
+            log.warning("could not check jump %r: %s", rule, err)
+            return False
+
     def _missing_jumps(self) -> list[tuple[str, str]]:
         """Jump rules from built-in chains that are not in place, as restore lines."""
-        wanted: list[tuple[str, str, str]] = []  # (table, position verb, rule)
-        for table, chain, extra, comment, target in JUMPS:
-            wanted.append((table, "-I", jump_rule(chain, extra, comment, target)))
-        if self.renderer.localhost_nodeports:
-            for table, chain, target in KUBELET_FIREWALL_JUMPS:
-                wanted.append((table, "-A", f"{chain} -j {target}"))
-        missing = []
-        for table, verb, rule in wanted:
+        return [
+            (t, f"{verb} {rule}") for t, verb, rule in self._jumps() if not self._present(t, rule)
+        ]
+
+    def detach(self) -> None:
+        """Take this mode out of the packet path in one restore: delete the jumps from the
+        built-in chains (nat first, so DNAT moves as one step). Our chains stay until
+        cleanup; established connections keep their conntrack translation."""
+        lines: dict[str, list[str]] = {"nat": [], "filter": []}
+        for table, verb, rule in self._jumps():
+            if verb == "-I" and self._present(table, rule):
+                lines[table].append(f"-D {rule}")
+        text = "".join(f"*{t}\n" + "\n".join(ls) + "\nCOMMIT\n" for t, ls in lines.items() if ls)
+        if text:
             try:
-                present = self.backend.check_rule(table, rule_spec(rule))
+                self.backend.restore(text)
             except IptablesError as err:
-                log.warning("could not check jump %r: %s", rule, err)
-                present = False
-            if not present:
-                missing.append((table, f"{verb} {rule}"))
-        return missing
+                raise SyncError(f"could not detach iptables mode: {err}") from err
+        self._applied = None  # a later sync must re-attach (full)
 
     def _keep_failed(self, data: str, err: RestoreError) -> None:
         log.error("%s", err)
