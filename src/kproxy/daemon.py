@@ -6,12 +6,14 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 from kproxy.config import ProxyConfig, rule_options
 from kproxy.conntrack import cleanup_stale_udp
 from kproxy.dataplane.registry import create_dataplane
 from kproxy.defaults import DEFAULT_STATE_DIR
+from kproxy.leftovers import clean_leftovers
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.node_tuning import apply_conntrack_config, apply_oom_score
 from kproxy.server.admin import SOCKET_NAME, AdminServer
@@ -60,13 +62,14 @@ class Daemon:
         self.metrics = ProxyMetrics(config.effective_mode)
         self.health = HealthState(health_timeout=2 * config.sync_period)
         self.state_dir = state_dir
+        self.leftovers_removed: list[str] | None = None
         self.loop = ProxyLoop(
             self.tracker,
             self.dataplane,
             min_sync_period=config.min_sync_period,
             sync_period=config.sync_period,
             udp_cleaner=lambda ips, ports: cleanup_stale_udp(ips, ports),
-            observers=[self.metrics, self.health, StatusFile(self)],
+            observers=[self.metrics, self.health, StatusFile(self), LeftoverCleaner(self)],
         )
         self.admin = AdminServer(
             (state_dir or DEFAULT_STATE_DIR) / SOCKET_NAME,
@@ -111,6 +114,7 @@ class Daemon:
             "pending": self.loop.pending,
             "last_result": dataclasses.asdict(st.last_result) if st.last_result else None,
             "conntrack_deleted": st.conntrack_deleted,
+            "leftovers_removed": self.leftovers_removed,
             "rejections": [
                 str(r)
                 for r in (
@@ -137,6 +141,39 @@ class Daemon:
         self.loop.stop()
         for server in self.servers:
             server.stop()
+
+
+class LeftoverCleaner:
+    """Once the mode is serving (first successful sync), remove other modes' leftovers."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.started = False
+
+    def queued(self, when: float, pending_services: int, pending_endpoints: int) -> None:
+        pass
+
+    def synced(self, *_: object) -> None:
+        if self.started:
+            return
+        self.started = True
+        threading.Thread(target=self._clean, name="leftovers", daemon=True).start()
+
+    def _clean(self) -> None:
+        d = self.daemon
+        backend = getattr(d.dataplane, "backend", None)
+        removed = clean_leftovers(
+            d.dataplane.mode, iptables_flavour=getattr(backend, "flavour", None)
+        )
+        d.leftovers_removed = [str(o) for o in removed]
+        log.info("removed %d leftovers of other proxy modes", len(removed))
+        d.write_status()
+
+    def failed(self, full: bool) -> None:
+        pass
+
+    def conntrack_cleaned(self, deleted: int) -> None:
+        pass
 
 
 class StatusFile:

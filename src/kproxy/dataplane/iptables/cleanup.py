@@ -10,6 +10,7 @@ program's chains are never touched, which is deliberately narrower than "flush K
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.iptables import names
@@ -44,6 +45,25 @@ KUBE_PROXY_CHAINS = frozenset(
     }
 )
 # Chains that look like ours but belong to kubelet (kube-proxy's own cleanup keeps them too).
+# The chains each mode writes itself (a leftover cleanup in that mode keeps these).
+IPTABLES_MODE_CHAINS = frozenset(
+    {
+        "KUBE-SERVICES",
+        "KUBE-EXTERNAL-SERVICES",
+        "KUBE-FORWARD",
+        "KUBE-NODEPORTS",
+        "KUBE-PROXY-FIREWALL",
+        "KUBE-POSTROUTING",
+        "KUBE-MARK-MASQ",
+        "KUBE-PROXY-CANARY",
+    }
+)
+
+
+def iptables_mode_chain(chain: str) -> bool:
+    return chain in IPTABLES_MODE_CHAINS or names.is_service_chain(chain)
+
+
 KUBELET_CHAINS = frozenset(
     {"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-MARK-DROP", "KUBE-IPTABLES-HINT"}
 )
@@ -64,48 +84,47 @@ def _target(rule: str) -> str:
     return ""
 
 
-def owned_state(backend: IptablesBackend) -> list[OwnedObject]:
-    """Our chains and the foreign rules that jump into them, in one backend."""
+def owned_state(
+    backend: IptablesBackend, keep: Callable[[str], bool] | None = None
+) -> list[OwnedObject]:
+    """Our chains and the rules elsewhere that jump into them, in one backend.
+
+    keep(chain) marks chains the running mode still uses: they are not listed, nor are
+    jumps into them; rules of kept chains that jump into a listed chain are listed (they
+    would stop the chain from being deleted)."""
     where = f"iptables-{backend.flavour}"
     try:
         tables = parse_save(backend.save())
     except IptablesError as err:
         log.warning("cannot read %s rules: %s", where, err)
         return []
+    kept = keep or (lambda _: False)
+
+    def goes(chain: str) -> bool:
+        return is_owned_chain(chain) and not kept(chain)
+
     found: list[OwnedObject] = []
     for table in TABLES:
         dump = tables.get(table)
         if dump is None:
             continue
         for rule in dump.rules:
-            chain = rule_chain(rule)
-            target = _target(rule)
-            if not is_owned_chain(chain) and is_owned_chain(target):
-                found.append(
-                    OwnedObject(
-                        "iptables-rule",
-                        f"{where} {table}",
-                        rule,
-                        f"jumps to kube-proxy chain {target}",
-                    )
+            chain, target = rule_chain(rule), _target(rule)
+            if goes(target) and not goes(chain):
+                why = (
+                    f"jumps to kube-proxy chain {target}"
+                    if not is_owned_chain(chain)
+                    else f"a rule of {chain} (kept) that jumps to leftover chain {target}"
                 )
+                found.append(OwnedObject("iptables-rule", f"{where} {table}", rule, why))
         for chain in sorted(dump.chains):
+            if not goes(chain):
+                continue
             if chain in KUBE_PROXY_CHAINS:
-                found.append(
-                    OwnedObject(
-                        "iptables-chain", f"{where} {table}", chain, "a kube-proxy top-level chain"
-                    )
-                )
-            elif names.is_service_chain(chain):
-                prefix = chain.split("-")[1]
-                found.append(
-                    OwnedObject(
-                        "iptables-chain",
-                        f"{where} {table}",
-                        chain,
-                        f"a kube-proxy per-service chain (KUBE-{prefix}-)",
-                    )
-                )
+                why = "a kube-proxy top-level chain"
+            else:
+                why = f"a kube-proxy per-service chain (KUBE-{chain.split('-')[1]}-)"
+            found.append(OwnedObject("iptables-chain", f"{where} {table}", chain, why))
     return found
 
 
@@ -129,8 +148,10 @@ def cleanup_input(owned: list[OwnedObject]) -> str:
     return "\n".join(out) + "\n" if out else ""
 
 
-def cleanup(backend: IptablesBackend, *, dry_run: bool = False) -> list[OwnedObject]:
-    owned = owned_state(backend)
+def cleanup(
+    backend: IptablesBackend, *, dry_run: bool = False, keep: Callable[[str], bool] | None = None
+) -> list[OwnedObject]:
+    owned = owned_state(backend, keep)
     if owned and not dry_run:
         backend.restore(cleanup_input(owned))
     return owned

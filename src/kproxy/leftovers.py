@@ -1,0 +1,137 @@
+"""Remove what other proxy modes left on this node, once the current mode is serving.
+
+Upstream cleans only the iptables <-> nftables boundary at startup and leaves ipvs
+leftovers (kube-ipvs0, ipsets, chains) for a reboot; kproxy removes every other mode's
+state, kproxy's and upstream kube-proxy's, and nothing that belongs to other software.
+Order matters (field notes, #109286): chains before the ipsets they reference.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+from kproxy.dataplane.base import OwnedObject
+from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError, in_netns
+from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
+from kproxy.dataplane.iptables.cleanup import iptables_mode_chain
+
+log = logging.getLogger("kproxy.leftovers")
+
+NFT_TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"), ("ip", "kproxy-anchor"))
+# upstream's ipvs-mode ipsets (reference §3), IPv4 and IPv6 names
+IPVS_SETS = (
+    "KUBE-LOOP-BACK",
+    "KUBE-CLUSTER-IP",
+    "KUBE-EXTERNAL-IP",
+    "KUBE-EXTERNAL-IP-LOCAL",
+    "KUBE-LOAD-BALANCER",
+    "KUBE-LOAD-BALANCER-FW",
+    "KUBE-LOAD-BALANCER-LOCAL",
+    "KUBE-LOAD-BALANCER-SOURCE-IP",
+    "KUBE-LOAD-BALANCER-SOURCE-CIDR",
+    "KUBE-NODE-PORT-TCP",
+    "KUBE-NODE-PORT-LOCAL-TCP",
+    "KUBE-NODE-PORT-UDP",
+    "KUBE-NODE-PORT-LOCAL-UDP",
+    "KUBE-NODE-PORT-SCTP-HASH",
+    "KUBE-NODE-PORT-LOCAL-SCTP-HASH",
+    "KUBE-HEALTH-CHECK-NODE-PORT",
+    "KUBE-IPVS-IPS",
+)
+OWNED_SETS = frozenset(IPVS_SETS) | {"KUBE-6-" + s[len("KUBE-") :] for s in IPVS_SETS}
+
+
+def _run(argv: Sequence[str], netns: str | None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(in_netns(argv, netns), capture_output=True, text=True, check=False)
+
+
+def clean_leftovers(
+    mode: str,
+    *,
+    iptables_flavour: str | None = None,
+    netns: str | None = None,
+    dry_run: bool = False,
+) -> list[OwnedObject]:
+    """Every other mode's state, removed (or only listed with dry_run). Never raises for one
+    failing piece: what could not be removed is logged and the rest still goes."""
+    removed: list[OwnedObject] = []
+    for flavour in ("nft", "legacy"):
+        keep = iptables_mode_chain if mode == "iptables" and flavour == iptables_flavour else None
+        try:
+            removed += iptables_cleanup(
+                IptablesBackend(flavour, netns=netns), dry_run=dry_run, keep=keep
+            )
+        except IptablesError as err:
+            log.warning("could not clean iptables-%s leftovers: %s", flavour, err)
+    if mode != "nftables":
+        removed += _nft_tables(netns, dry_run)
+    if mode != "ipvs":
+        removed += _kube_ipvs0(netns, dry_run)
+        removed += _ipsets(netns, dry_run)
+    for obj in removed:
+        log.info("%s leftover %s", "would remove" if dry_run else "removed", obj)
+    return removed
+
+
+def _nft_tables(netns: str | None, dry_run: bool) -> list[OwnedObject]:
+    if shutil.which("nft") is None:
+        return []
+    listing = _run(["nft", "list", "tables"], netns)
+    present = {
+        tuple(line.split()[1:3])
+        for line in listing.stdout.splitlines()
+        if line.startswith("table ")
+    }
+    out = []
+    for family, name in NFT_TABLES:
+        if (family, name) not in present:
+            continue
+        why = (
+            "kproxy's conntrack anchor"
+            if name == "kproxy-anchor"
+            else "the kube-proxy nftables table"
+        )
+        if dry_run or _run(["nft", "delete", "table", family, name], netns).returncode == 0:
+            out.append(OwnedObject("nft-table", "nftables", f"{family} {name}", why))
+    return out
+
+
+def _kube_ipvs0(netns: str | None, dry_run: bool) -> list[OwnedObject]:
+    shown = _run(["ip", "-j", "-d", "link", "show", "kube-ipvs0"], netns)
+    if shown.returncode != 0:
+        return []
+    try:
+        kind = json.loads(shown.stdout)[0].get("linkinfo", {}).get("info_kind")
+    except (ValueError, IndexError):
+        kind = None
+    if kind != "dummy":
+        log.warning(
+            "kube-ipvs0 exists but is a %s interface, not kube-proxy's dummy: left alone", kind
+        )
+        return []
+    if not dry_run:
+        _run(["ip", "link", "delete", "kube-ipvs0"], netns)
+    return [
+        OwnedObject("interface", "link", "kube-ipvs0", "kube-proxy ipvs mode's dummy interface")
+    ]
+
+
+def _ipsets(netns: str | None, dry_run: bool) -> list[OwnedObject]:
+    if shutil.which("ipset") is None:
+        return []
+    names = _run(["ipset", "list", "-n"], netns).stdout.split()
+    out = []
+    for name in names:
+        if name not in OWNED_SETS:
+            continue
+        if not dry_run:
+            done = _run(["ipset", "destroy", name], netns)
+            if done.returncode != 0:
+                log.warning("ipset %s not destroyed: %s", name, done.stderr.strip())
+                continue
+        out.append(OwnedObject("ipset", "ipset", name, "a kube-proxy ipvs mode ipset"))
+    return out
