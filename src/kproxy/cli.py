@@ -366,7 +366,8 @@ def render(
     ] = None,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Print the iptables-restore input a full sync would apply. Needs no root and no kernel.
+    """Print what a full sync would apply: iptables-restore input (iptables mode) or an
+    `nft -f` transaction, one command per line (nftables mode). Needs no root and no kernel.
 
     Node facts a live sync detects (node IPs, local addresses, --random-fully support, nfacct
     counters, tcp_be_liberal) can be given as options so the output is reproducible on any
@@ -409,7 +410,12 @@ def render(
                 f"kproxy: warning: skipping invalid {rej}", err=True, fg=typer.colors.YELLOW
             )
         facts = _render_facts(node_ip, local_address, random_fully, nfacct, tcp_be_liberal)
-        sys.stdout.write(render_full(snapshot, facts, rule_options(config)))
+        if config.effective_mode == "nftables":
+            from kproxy.dataplane.nftables.render import render_full as render_nft
+
+            sys.stdout.write(render_nft(snapshot, facts, rule_options(config)))
+        else:
+            sys.stdout.write(render_full(snapshot, facts, rule_options(config)))
     except UserError as err:
         raise fail(str(err)) from None
 

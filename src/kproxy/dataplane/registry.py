@@ -38,4 +38,10 @@ def create_dataplane(
         facts = detect_node_facts(backend=backend, node_ips=node_ips)
         log.info("iptables backend %s, random-fully %s", backend.flavour, facts.random_fully)
         return IptablesDataplane(backend, facts, options, state_dir=state_dir), facts
+    if mode == "nftables":
+        from kproxy.dataplane.nftables.proxier import NftablesDataplane
+
+        NftablesDataplane.check()
+        facts = detect_node_facts(node_ips=node_ips)
+        return NftablesDataplane(facts, options, state_dir=state_dir), facts
     raise AssertionError(f"mode {mode!r} is listed as available ({AVAILABLE_MODES}) but not built")

@@ -137,7 +137,11 @@ def _nft_services(text: str) -> dict[ServiceKey, str]:
                 if isinstance(v, dict):
                     target = v.get("target", "")
             # Chain names carry ns/svc/proto/port after an 8-character hash prefix.
-            name = target.split("-", 2)[-1] if target else ""
+            parts_of_name = target.split("-", 2)[-1].split("/") if target else []
+            name = ""
+            if len(parts_of_name) == 4:
+                ns, svc, _, port_name = parts_of_name
+                name = f"{ns}/{svc}" + (f":{port_name}" if port_name else "")
             found[ServiceKey(str(parts[0]), str(parts[1]), int(parts[2]))] = name
     return found
 

@@ -117,6 +117,18 @@ class ProxyMetrics:
             fam,
             registry=r,
         )
+        self.nft_sync_failures = Counter(
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+            "Cumulative proxy nftables sync failures",
+            fam,
+            registry=r,
+        )
+        self.nft_cleanup_failures = Counter(
+            "kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
+            "Cumulative proxy nftables cleanup failures",
+            fam,
+            registry=r,
+        )
         self.conntrack_deleted = Counter(
             "kubeproxy_conntrack_reconciler_deleted_entries",
             "Cumulative conntrack flows deleted by conntrack reconciler",
@@ -156,6 +168,8 @@ class ProxyMetrics:
             self.last_queued,
             self.restore_failures,
             self.partial_restore_failures,
+            self.nft_sync_failures,
+            self.nft_cleanup_failures,
             self.conntrack_deleted,
         ):
             metric.labels(ip_family=IP_FAMILY)
@@ -218,6 +232,8 @@ class ProxyMetrics:
             self.restore_failures.labels(ip_family=IP_FAMILY).inc()
             if not full:
                 self.partial_restore_failures.labels(ip_family=IP_FAMILY).inc()
+        elif self.mode == "nftables":
+            self.nft_sync_failures.labels(ip_family=IP_FAMILY).inc()
 
     def conntrack_cleaned(self, deleted: int) -> None:
         self.conntrack_deleted.labels(ip_family=IP_FAMILY).inc(deleted)

@@ -14,11 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from kproxy.dataplane.iptables.backend import Runner, in_netns, parse_version, run_command
+from kproxy.dataplane.nftables.netlink import NetlinkError, NftNetlink
+from kproxy.dataplane.nftables.steps import netlink_ops, op_line, split
+from kproxy.dataplane.nftables.transaction import Transaction
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,7 @@ class NftError(Exception):
         returncode: int = 0,
         stderr: str = "",
         input_data: str | None = None,
+        netlink_line: int | None = None,
     ) -> None:
         self.command = list(command)
         self.returncode = returncode
@@ -54,7 +59,12 @@ class NftError(Exception):
                 lines = input_data.splitlines()
                 if 1 <= self.line_number <= len(lines):
                     self.line_text = lines[self.line_number - 1]
-        if self.line_number is not None:
+        if netlink_line is not None and input_data is not None:
+            self.line_number = netlink_line + 1
+            self.line_text = input_data.splitlines()[netlink_line]
+            self.reason = message.rsplit(": ", 1)[-1]
+            message = f"{message} (rejected: {self.line_text!r})"
+        elif self.line_number is not None:
             where = f"line {self.line_number}"
             if self.line_text is not None:
                 where += f" ({self.line_text!r})"
@@ -90,20 +100,36 @@ class TableRef:
 
 
 class NftBackend:
-    """nft for one namespace: run transactions, list what a table holds."""
+    """nft for one namespace: run transactions, list what a table holds.
+
+    fast=True applies transactions in cache-free steps (steps.py: nft for rules and new
+    elements, netlink for deletes and element changes); fast=False pipes the upstream-form
+    text to one `nft -f -`."""
 
     def __init__(
-        self, *, netns: str | None = None, runner: Runner | None = None, binary: str = "nft"
+        self,
+        *,
+        netns: str | None = None,
+        runner: Runner | None = None,
+        binary: str = "nft",
+        fast: bool = True,
+        chunk_ops: int | None = None,
     ) -> None:
         self.netns = netns
         self.binary = binary
+        self.fast = fast
+        self.chunk_ops = chunk_ops
         self._runner: Runner = runner or run_command
         self._version: Version | None = None
+        self._netlink: NftNetlink | None = None
+        self.last_steps: list[str] = []
 
     def __repr__(self) -> str:
         return f"NftBackend(netns={self.netns!r})"
 
-    def _run(self, args: Sequence[str], input_data: str | None = None):  # noqa: ANN202
+    def _run(
+        self, args: Sequence[str], input_data: str | None = None
+    ) -> tuple[list[str], subprocess.CompletedProcess[str]]:
         argv = in_netns([self.binary, *args], self.netns)
         return argv, self._runner(argv, input_data)
 
@@ -131,6 +157,47 @@ class NftBackend:
                 stderr=proc.stderr,
                 input_data=data,
             )
+
+    def apply(self, tx: Transaction) -> None:
+        """Apply a transaction: in fast steps, or as one `nft -f -` (see the class doc)."""
+        if not tx.ops:
+            self.last_steps = []
+            return
+        if not self.fast:
+            self.last_steps = ["nft"]
+            self.run(tx.text())
+            return
+        kwargs = {} if self.chunk_ops is None else {"chunk_ops": self.chunk_ops}
+        steps = split(tx, **kwargs)
+        self.last_steps = [f"{s.kind}:{s.label}:{len(s.ops)}" for s in steps]
+        for number, step in enumerate(steps, 1):
+            where = f"step {number}/{len(steps)} ({step.label})"
+            if step.kind == "nft":
+                script = step.script(tx)
+                try:
+                    self.run(script)
+                except NftError as err:
+                    err.args = (f"{where}: {err}",)
+                    raise
+                continue
+            if self._netlink is None:
+                self._netlink = NftNetlink(self.netns, family=tx.family)
+            messages = netlink_ops(tx, step.ops)
+            try:
+                self._netlink.run([m for m, _ in messages])
+            except (NetlinkError, OSError) as err:
+                lines = [op_line(tx, op) for op in step.ops]
+                index = getattr(err, "index", None)
+                raise NftError(
+                    f"{where}: {err}",
+                    input_data="".join(line + "\n" for line in lines),
+                    netlink_line=None if index is None else messages[index][1],
+                ) from err
+
+    def close(self) -> None:
+        if self._netlink is not None:
+            self._netlink.close()
+            self._netlink = None
 
     def check(self, data: str) -> None:
         """Validate a transaction in the kernel without committing it (`nft --check -f -`)."""
@@ -192,20 +259,25 @@ class NftBackend:
             if "set" in s and s["set"].get("table") == table
         ]
 
-    def elements(self, kind: str, family: str, table: str, name: str) -> list[tuple[str, str]]:
-        """(key, value) of every element of a set or verdict map, in nft's text form
-        ("172.30.0.41 . tcp . 80", "goto service-..."); value "" for sets."""
+    def elements(
+        self, kind: str, family: str, table: str, name: str
+    ) -> list[tuple[str, str, str | None]]:
+        """(key, value, comment) of every element of a set or verdict map, in nft's text
+        form ("172.30.0.41 . tcp . 80", "goto service-..."); value "" for sets."""
         items = self.list_json(kind, family, table, name)
-        out: list[tuple[str, str]] = []
+        out: list[tuple[str, str, str | None]] = []
         for item in items:
             body = item.get(kind)
             if not body:
                 continue
             for elem in body.get("elem", []):
-                if kind == "map" and isinstance(elem, list) and len(elem) == 2:
-                    out.append((element_key(elem[0]), verdict_text(elem[1])))
-                else:
-                    out.append((element_key(elem), ""))
+                key, value = (elem[0], elem[1]) if isinstance(elem, list) else (elem, None)
+                comment = None
+                if isinstance(key, dict) and "elem" in key:
+                    comment = key["elem"].get("comment")
+                out.append(
+                    (element_key(key), "" if value is None else verdict_text(value), comment)
+                )
         return out
 
     def delete_table(self, family: str, name: str) -> bool:

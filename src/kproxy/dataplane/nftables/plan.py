@@ -147,10 +147,7 @@ class ServiceBlock:
     # For sync_proxy_rules_no_local_endpoints_total.
     no_local_internal: bool = False
     no_local_external: bool = False
-
-    @property
-    def rule_count(self) -> int:
-        return sum(len(c.rules) for c in self.chains)
+    rule_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,6 +190,13 @@ class TableSetup:
 class NftablesPlan:
     setup: TableSetup
     blocks: dict[ServicePortName, ServiceBlock] = field(default_factory=dict)
+    # Rules in all blocks (kept by the planner, so a plan need not count them).
+    block_rules: int = 0
+    # The blocks of the planner's previous plan, and what changed since: service ports whose
+    # block was built anew, and those that are gone (lets a writer skip unchanged ports).
+    base: dict[ServicePortName, ServiceBlock] | None = None
+    rebuilt: set[ServicePortName] = field(default_factory=set)
+    removed: set[ServicePortName] = field(default_factory=set)
 
     def service_chains(self) -> set[str]:
         return {c.name for b in self.blocks.values() for c in b.chains}
@@ -211,7 +215,7 @@ class NftablesPlan:
 
     @property
     def rules_total(self) -> int:
-        return len(self.setup.rules) + sum(b.rule_count for b in self.blocks.values())
+        return len(self.setup.rules) + self.block_rules
 
 
 class LocalDetector:
@@ -342,29 +346,87 @@ class NftablesPlanner:
         self._detector_cidrs: tuple[str, ...] = ()
         self.detector = LocalDetector(options, ())
         self._cache: dict[ServicePortName, tuple[ServicePort, ServiceBlock]] = {}
+        self._rules = 0  # rules of the cached blocks
+        self._last: dict[ServicePortName, ServiceBlock] | None = None
+        self._handed_out: dict[ServicePortName, ServiceBlock] | None = None
+        # id(ServicePort) -> (that ServicePort, its block), for identity hits.
+        self._by_id: dict[int, tuple[ServicePort, ServiceBlock]] = {}
 
     def plan(self, snapshot: Snapshot) -> NftablesPlan:
+        """The plan of a snapshot; blocks are in the snapshot's order (the transaction
+        writer sorts what it writes).
+
+        A ServicePort the tracker kept (the same object as last time) is recognised by
+        identity without hashing its name, so an unchanged service costs a dict lookup by
+        id(); only new and changed ports are planned."""
         if snapshot.node.pod_cidrs != self._detector_cidrs:
             self._detector_cidrs = snapshot.node.pod_cidrs
             self.detector = LocalDetector(self.options, snapshot.node.pod_cidrs)
             self._cache.clear()
-        plan = NftablesPlan(self.setup)
-        cache = self._cache
-        for name in sorted(snapshot.services):
-            sp = snapshot.services[name]
-            if ":" in sp.cluster_ip:
-                continue  # other family (dual stack is not built yet)
-            plan.blocks[name] = self.block(sp)
-        for stale in set(cache) - set(plan.blocks):
-            del cache[stale]
+            self._by_id.clear()
+            self._rules = 0
+            self._last = None
+            self._handed_out = None
+        last = self._last
+        plan = NftablesPlan(self.setup, base=self._handed_out)
+        blocks = plan.blocks if last is None else last.copy()
+        plan.blocks = blocks
+        by_id = self._by_id
+        present = 0  # ports of the snapshot that were in the last plan
+        for name, sp in snapshot.services.items():
+            hit = by_id.get(id(sp))
+            if hit is not None and hit[0] is sp:
+                present += 1
+                if last is None:
+                    blocks[name] = hit[1]
+                continue
+            if last is not None and name in last:
+                present += 1
+            if ":" in sp.cluster_ip:  # other family (dual stack is not built yet)
+                if blocks.pop(name, None) is not None:
+                    present -= 1
+                    self._evict(name)
+                    plan.removed.add(name)
+                continue
+            block = self._block(sp)
+            if last is None or last.get(name) is not block:
+                plan.rebuilt.add(name)
+            blocks[name] = block
+        if last is not None and present < len(last):
+            for gone in set(last) - snapshot.services.keys():
+                if blocks.pop(gone, None) is not None:
+                    self._evict(gone)
+                    plan.removed.add(gone)
+        plan.block_rules = self._rules
+        # The planner keeps its own copy: what callers do with plan.blocks cannot leak
+        # into the next plan.
+        self._last = blocks.copy()
+        self._handed_out = blocks
         return plan
 
-    def block(self, sp: ServicePort) -> ServiceBlock:
+    def _evict(self, name: ServicePortName) -> None:
+        hit = self._cache.pop(name, None)
+        if hit is not None:
+            self._rules -= hit[1].rule_count
+            self._by_id.pop(id(hit[0]), None)
+
+    def _block(self, sp: ServicePort) -> ServiceBlock:
+        """The block of sp (cached). Only plan() may call this: it keeps the last plan,
+        the cache and the identity index in step."""
         hit = self._cache.get(sp.name)
         if hit is not None and (hit[0] is sp or hit[0] == sp):
+            if hit[0] is not sp:  # equal, a new object: remember the new one
+                self._by_id.pop(id(hit[0]), None)
+                self._by_id[id(sp)] = (sp, hit[1])
+                self._cache[sp.name] = (sp, hit[1])
             return hit[1]
         blk = self._build(sp)
+        if hit is not None:
+            self._rules -= hit[1].rule_count
+            self._by_id.pop(id(hit[0]), None)
+        self._rules += blk.rule_count
         self._cache[sp.name] = (sp, blk)
+        self._by_id[id(sp)] = (sp, blk)
         return blk
 
     # --- one service port ------------------------------------------------------------------
@@ -507,6 +569,7 @@ class NftablesPlanner:
         return ServiceBlock(
             name=sp.name,
             chains=tuple(Chain(c, tuple(r)) for c, r in chain_rules.items()),
+            rule_count=sum(len(r) for r in chain_rules.values()),
             endpoint_chains=frozenset(n.ENDPOINT_PREFIX + b for b in ep_base.values()),
             affinity_sets=tuple(sets),
             elements=tuple(elements),

@@ -43,12 +43,30 @@ def quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+@dataclass(frozen=True, slots=True)
+class TxOp:
+    """One operation of a transaction, structured (for renderers other than the text)."""
+
+    verb: str  # add | flush | delete
+    kind: str  # table | chain | rule | set | map | element
+    name: str  # chain, set or map name ("" for the table); the chain for rules
+    body: str = ""  # the text after the name (rule text, "{ ... }" definitions)
+    element: Element | None = None
+    stale: bool = False  # a flush of a chain that went stale
+    base: bool = False  # a base chain definition
+
+
 class Transaction:
     """An nft transaction for one table; every method appends one operation (one line)."""
 
     def __init__(self, family: str = FAMILY, table: str = n.TABLE) -> None:
+        self.family = family
+        self.table = table
         self.where = f"{family} {table}"
         self.lines: list[str] = []
+        self.ops: list[TxOp] = []
+        # Indexes into ops where a new service port's objects start.
+        self.marks: list[int] = []
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -56,14 +74,22 @@ class Transaction:
     def text(self) -> str:
         return "".join(line + "\n" for line in self.lines)
 
+    def _op(self, op: TxOp, line: str) -> None:
+        self.ops.append(op)
+        self.lines.append(line)
+
+    def mark(self) -> None:
+        """Note that the objects of another service port follow (a place to split)."""
+        self.marks.append(len(self.ops))
+
     # -- tables and chains --------------------------------------------------------------
 
     def add_table(self, comment: str | None = None) -> None:
         body = f" {{ comment {quote(comment)} ; }}" if comment else ""
-        self.lines.append(f"add table {self.where}{body}")
+        self._op(TxOp("add", "table", "", body), f"add table {self.where}{body}")
 
     def delete_table(self) -> None:
-        self.lines.append(f"delete table {self.where}")
+        self._op(TxOp("delete", "table", ""), f"delete table {self.where}")
 
     def add_chain(
         self, name: str, base: BaseChain | None = None, comment: str | None = None
@@ -74,13 +100,16 @@ class Transaction:
         if comment:
             parts.append(f"comment {quote(comment)} ;")
         body = f" {{ {' '.join(parts)} }}" if parts else ""
-        self.lines.append(f"add chain {self.where} {name}{body}")
+        self._op(
+            TxOp("add", "chain", name, body, base=base is not None),
+            f"add chain {self.where} {name}{body}",
+        )
 
-    def flush_chain(self, name: str) -> None:
-        self.lines.append(f"flush chain {self.where} {name}")
+    def flush_chain(self, name: str, *, stale: bool = False) -> None:
+        self._op(TxOp("flush", "chain", name, stale=stale), f"flush chain {self.where} {name}")
 
     def delete_chain(self, name: str) -> None:
-        self.lines.append(f"delete chain {self.where} {name}")
+        self._op(TxOp("delete", "chain", name), f"delete chain {self.where} {name}")
 
     def ensure_chain(self, name: str) -> None:
         """add + flush: the chain exists and holds only what this transaction adds."""
@@ -88,7 +117,7 @@ class Transaction:
         self.flush_chain(name)
 
     def add_rule(self, chain: str, rule: str) -> None:
-        self.lines.append(f"add rule {self.where} {chain} {rule}")
+        self._op(TxOp("add", "rule", chain, rule), f"add rule {self.where} {chain} {rule}")
 
     # -- sets, maps, elements -----------------------------------------------------------
 
@@ -110,21 +139,28 @@ class Transaction:
             parts.append(f"timeout {timeout}s ;")
         if comment:
             parts.append(f"comment {quote(comment)} ;")
-        self.lines.append(f"add {kind} {self.where} {name} {{ {' '.join(parts)} }}")
+        body = f"{{ {' '.join(parts)} }}"
+        self._op(TxOp("add", kind, name, body), f"add {kind} {self.where} {name} {body}")
 
     def flush_container(self, kind: str, name: str) -> None:
-        self.lines.append(f"flush {kind} {self.where} {name}")
+        self._op(TxOp("flush", kind, name), f"flush {kind} {self.where} {name}")
 
     def delete_container(self, kind: str, name: str) -> None:
-        self.lines.append(f"delete {kind} {self.where} {name}")
+        self._op(TxOp("delete", kind, name), f"delete {kind} {self.where} {name}")
 
     def add_element(self, el: Element) -> None:
         comment = f" comment {quote(el.comment)}" if el.comment is not None else ""
         value = f" : {el.value}" if el.value else ""
-        self.lines.append(f"add element {self.where} {el.container} {{ {el.key}{comment}{value} }}")
+        self._op(
+            TxOp("add", "element", el.container, element=el),
+            f"add element {self.where} {el.container} {{ {el.key}{comment}{value} }}",
+        )
 
     def delete_element(self, container: str, key: str) -> None:
-        self.lines.append(f"delete element {self.where} {container} {{ {key} }}")
+        self._op(
+            TxOp("delete", "element", container, element=Element(container, key)),
+            f"delete element {self.where} {container} {{ {key} }}",
+        )
 
 
 @dataclass
@@ -144,26 +180,56 @@ class TableState:
     # (container, key) -> service ports claiming it (to resolve a key two ports share).
     owners: dict[tuple[str, str], set[ServicePortName]] = field(default_factory=dict)
 
-    def copy(self) -> TableState:
-        return TableState(
-            elements={c: dict(els) for c, els in self.elements.items()},
-            chains=set(self.chains),
-            affinity_sets=set(self.affinity_sets),
-            stale=dict(self.stale),
-            blocks=dict(self.blocks),
-            owners={k: set(v) for k, v in self.owners.items()},
-        )
-
 
 @dataclass
 class SyncWrite:
-    """One sync's transaction and the state the kernel holds once it is committed."""
+    """One sync's transaction, and the changes to the mirror once it is committed.
+
+    The mirror is not touched until commit(): a rejected transaction leaves it as it was."""
 
     tx: Transaction
-    state: TableState
+    full: bool
+    blocks: dict[ServicePortName, ServiceBlock]
     rewritten: set[ServicePortName] = field(default_factory=set)
     stale_flushed: list[str] = field(default_factory=list)
     rules_written: int = 0
+    # Replacements for the whole mirror (full syncs) or the changed parts (partial syncs).
+    chains: set[str] = field(default_factory=set)
+    chains_gone: set[str] = field(default_factory=set)
+    affinity_sets: set[str] = field(default_factory=set)
+    affinity_sets_gone: set[str] = field(default_factory=set)
+    stale: dict[str, float] = field(default_factory=dict)
+    stale_revived: set[str] = field(default_factory=set)
+    elements: dict[tuple[str, str], Element | None] = field(default_factory=dict)
+    owners: dict[tuple[str, str], set[ServicePortName]] = field(default_factory=dict)
+
+    def commit(self, state: TableState) -> TableState:
+        """Apply this write to `state` (in place) once the kernel accepted the transaction."""
+        if self.full:
+            state.chains = set(self.chains)
+            state.affinity_sets = set(self.affinity_sets)
+            state.stale = dict(self.stale)
+            state.elements = {c: {} for c in SERVICE_CONTAINERS}
+            state.owners = {}
+        else:
+            state.chains |= self.chains
+            state.affinity_sets -= self.affinity_sets_gone
+            state.affinity_sets |= self.affinity_sets
+            state.stale.update(self.stale)
+        for chain in self.stale_revived:
+            state.stale.pop(chain, None)
+        for (container, key), el in self.elements.items():
+            if el is None:
+                state.elements[container].pop(key, None)
+            else:
+                state.elements[container][key] = el
+        for key, owners in self.owners.items():
+            if owners:
+                state.owners[key] = owners
+            else:
+                state.owners.pop(key, None)
+        state.blocks = self.blocks
+        return state
 
 
 def write_setup(tx: Transaction, plan: NftablesPlan, *, recreate_base_chains: bool) -> int:
@@ -256,130 +322,136 @@ def write_sync(
     full: bool,
     recreate_base_chains: bool = False,
     skip_endpoint_chains: set[str] | None = None,
+    flush_containers: Iterable[str] = (),
     now: float = 0.0,
 ) -> SyncWrite:
-    """The transaction of one sync against `state` (left untouched; the new state is returned).
+    """The transaction of one sync against the mirror `state` (not modified; see commit).
 
-    skip_endpoint_chains: endpoint chains known to be correct in the kernel already (the
-    first sync after a restart: a chain's name fixes its rules, upstream's epChainSkipUpdate).
+    skip_endpoint_chains: endpoint chains known to be right in the kernel already (the first
+    sync after a restart: an endpoint chain's name fixes its rules, upstream's
+    epChainSkipUpdate). flush_containers: maps/sets whose elements could not be read, to be
+    emptied and refilled (upstream's readOrReset).
     """
     tx = Transaction()
-    new = state.copy()
-    out = SyncWrite(tx, new)
+    out = SyncWrite(tx, full, plan.blocks)
     if full:
         out.rules_written += write_setup(tx, plan, recreate_base_chains=recreate_base_chains)
+        for container in flush_containers:
+            tx.flush_container(CONTAINERS[container][0], container)
 
-    changed: set[ServicePortName] = set()
+    changed: list[ServicePortName] = []
     skip = skip_endpoint_chains or set()
-    for name, block in plan.blocks.items():
-        old = state.blocks.get(name)
-        if full or old is not block:
-            changed.add(name)
-            if full or old != block:
-                chains_skip = block.endpoint_chains & skip if skip else frozenset()
-                out.rules_written += write_block(tx, block, chains_skip)
-                out.rewritten.add(name)
-    removed = set(state.blocks) - set(plan.blocks)
-    changed |= removed
-    new.blocks = dict(plan.blocks)
+    if not full and plan.base is not None and plan.base is state.blocks:
+        # The mirror holds the planner's previous plan: only rebuilt ports can differ.
+        candidates: Iterable[ServicePortName] = plan.rebuilt
+        removed = plan.removed & state.blocks.keys()
+    else:
+        candidates = plan.blocks
+        removed = set(state.blocks) - set(plan.blocks)
+    for name in candidates:
+        if full or state.blocks.get(name) is not plan.blocks[name]:
+            changed.append(name)
+    changed.sort()
+    for name in changed:
+        block = plan.blocks[name]
+        if full or state.blocks.get(name) != block:
+            tx.mark()
+            chains_skip = block.endpoint_chains & skip if skip else frozenset()
+            out.rules_written += write_block(tx, block, chains_skip)
+            out.rewritten.add(name)
+    changed += sorted(removed)
 
     # Chains and affinity sets no longer used: a chain is flushed when it becomes stale (and
     # again on full syncs) and deleted later; an affinity set is deleted at once.
     if full:
         now_used = plan.service_chains()
         gone = state.chains - now_used
-        sets_used = set(plan.affinity_sets())
-        gone_sets = state.affinity_sets - sets_used
-        new.chains = now_used | gone
-        new.affinity_sets = sets_used
+        out.affinity_sets = set(plan.affinity_sets())
+        gone_sets = state.affinity_sets - out.affinity_sets
+        out.chains = now_used | gone
+        out.stale = {c: state.stale.get(c, now) for c in gone}
     else:
         before: set[str] = set()
         now_used = set()
         sets_before: set[str] = set()
-        sets_used: set[str] = set()
         for name in changed:
             if (old := state.blocks.get(name)) is not None:
                 before.update(c.name for c in old.chains)
                 sets_before.update(s.name for s in old.affinity_sets)
             if (block := plan.blocks.get(name)) is not None:
                 now_used.update(c.name for c in block.chains)
-                sets_used.update(s.name for s in block.affinity_sets)
+                out.affinity_sets.update(s.name for s in block.affinity_sets)
         gone = (before - now_used) & state.chains
-        gone_sets = (sets_before - sets_used) & state.affinity_sets
-        new.chains = state.chains | now_used
-        new.affinity_sets = (state.affinity_sets - gone_sets) | sets_used
+        gone_sets = (sets_before - out.affinity_sets) & state.affinity_sets
+        out.chains = now_used
+        out.affinity_sets_gone = gone_sets
+        out.stale = {c: now for c in gone if c not in state.stale}
     for chain in sorted(gone):
         if chain not in state.stale:
             out.stale_flushed.append(chain)
-            new.stale[chain] = now
-        tx.flush_chain(chain)
-    for chain in now_used:
-        new.stale.pop(chain, None)
+        if full or chain not in state.stale:
+            tx.flush_chain(chain, stale=True)
+    out.stale_revived = now_used & set(state.stale)
     for name in sorted(gone_sets):
         tx.delete_container("set", name)
 
-    _write_elements(tx, plan, state, new, changed, full=full)
+    _write_elements(out, plan, state, changed)
     return out
 
 
 def _write_elements(
-    tx: Transaction,
-    plan: NftablesPlan,
-    state: TableState,
-    new: TableState,
-    changed: set[ServicePortName],
-    *,
-    full: bool,
+    out: SyncWrite, plan: NftablesPlan, state: TableState, changed: list[ServicePortName]
 ) -> None:
     """Element adds and deletes for the keys the changed service ports touch (all keys on a
-    full sync). A key claimed by two ports takes the value of the later port by name."""
-    if full:
-        new.owners = {}
+    full sync). A key claimed by two ports takes the element of the later port by name."""
+    owners = out.owners
+    if out.full:
         for name, block in plan.blocks.items():
             for el in block.elements:
-                new.owners.setdefault((el.container, el.key), set()).add(name)
-        affected = set(new.owners) | {(c, k) for c, els in state.elements.items() for k in els}
+                owners.setdefault((el.container, el.key), set()).add(name)
+        affected = set(owners) | {(c, k) for c, els in state.elements.items() for k in els}
     else:
         affected = set()
+
+        def claims(key: tuple[str, str]) -> set[ServicePortName]:
+            if key not in owners:
+                owners[key] = set(state.owners.get(key, ()))
+            return owners[key]
+
         for name in changed:
-            old = state.blocks.get(name)
-            if old is not None:
+            if (old := state.blocks.get(name)) is not None:
                 for el in old.elements:
                     key = (el.container, el.key)
                     affected.add(key)
-                    owners = new.owners.get(key)
-                    if owners is not None:
-                        owners.discard(name)
-                        if not owners:
-                            del new.owners[key]
-            block = plan.blocks.get(name)
-            if block is not None:
+                    claims(key).discard(name)
+            if (block := plan.blocks.get(name)) is not None:
                 for el in block.elements:
                     key = (el.container, el.key)
                     affected.add(key)
-                    new.owners.setdefault(key, set()).add(name)
+                    claims(key).add(name)
     adds: list[Element] = []
     deletes: list[tuple[str, str]] = []
     for key in sorted(affected):
         container, k = key
-        owners = new.owners.get(key)
+        claimed = owners.get(key) if key in owners else state.owners.get(key)
         want = None
-        if owners:
-            winner = plan.blocks[max(owners)]
+        if claimed:
+            winner = plan.blocks[max(claimed)]
             want = next(el for el in winner.elements if (el.container, el.key) == key)
         have = state.elements.get(container, {}).get(k)
         if want == have:
+            if out.full and want is not None:
+                out.elements[key] = want
             continue
         if have is not None:
             deletes.append(key)
-            del new.elements[container][k]
+        out.elements[key] = want
         if want is not None:
             adds.append(want)
-            new.elements.setdefault(container, {})[k] = want
     for container, k in deletes:
-        tx.delete_element(container, k)
+        out.tx.delete_element(container, k)
     for el in adds:
-        tx.add_element(el)
+        out.tx.add_element(el)
 
 
 def stale_chain_deletions(state: TableState, now: float) -> tuple[Transaction, list[str]]:

@@ -1,0 +1,68 @@
+"""Find and remove the nftables state of kproxy and upstream kube-proxy, and nothing else.
+
+Ours are exactly: `table ip kube-proxy` and `table ip6 kube-proxy` (upstream's nftables mode
+and kproxy's), and tables kproxy itself names `kproxy-...` in the ip, ip6 or inet family --
+except the conntrack anchor (`ip kproxy-anchor`, dataplane/anchor.py), which belongs to the
+mode-switch machinery and must outlive the cleanup of the mode being switched away from.
+Every other table (firewalld, docker, a host's `inet filter`) is never touched; upstream's
+own cleanup (`delete table ip kube-proxy` / `ip6 kube-proxy`, not-found ignored) is the same
+apart from kproxy's prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
+from kproxy.dataplane.base import OwnedObject
+from kproxy.dataplane.nftables import names as n
+from kproxy.dataplane.nftables.backend import NftError, TableRef
+
+log = logging.getLogger("kproxy.nftables.cleanup")
+
+KUBE_PROXY_TABLES = (TableRef("ip", n.TABLE), TableRef("ip6", n.TABLE))
+KPROXY_TABLE_PREFIX = "kproxy-"
+KPROXY_FAMILIES = ("ip", "ip6", "inet")
+
+
+class TableBackend(Protocol):
+    def tables(self) -> list[TableRef]: ...
+    def delete_table(self, family: str, name: str) -> bool: ...
+
+
+def is_owned_table(table: TableRef) -> bool:
+    if table in KUBE_PROXY_TABLES:
+        return True
+    if table.name == ANCHOR_TABLE:
+        return False
+    return table.family in KPROXY_FAMILIES and table.name.startswith(KPROXY_TABLE_PREFIX)
+
+
+def owned_tables(backend: TableBackend) -> list[OwnedObject]:
+    try:
+        tables = backend.tables()
+    except NftError as err:
+        log.warning("cannot list nftables tables: %s", err)
+        return []
+    found = []
+    for table in sorted(tables, key=str):
+        if table in KUBE_PROXY_TABLES:
+            reason = "the kube-proxy nftables table (kproxy's or upstream's nftables mode)"
+        elif is_owned_table(table):
+            reason = f"a kproxy table ({KPROXY_TABLE_PREFIX}*)"
+        else:
+            continue
+        found.append(OwnedObject("nft-table", "nftables", str(table), reason))
+    return found
+
+
+def cleanup(backend: TableBackend, *, dry_run: bool = False) -> list[OwnedObject]:
+    """Delete every owned table (one `delete table` each; one already gone is no error)."""
+    owned = owned_tables(backend)
+    if dry_run:
+        return owned
+    for obj in owned:
+        family, name = obj.name.split(" ", 1)
+        backend.delete_table(family, name)
+    return owned

@@ -1,0 +1,429 @@
+"""nftables mode against the real kernel and nft 1.0.6, in throwaway network namespaces.
+
+Every test runs nft only inside a namespace it created (`ip netns exec kpnft-<random> nft
+...`), removed in a finalizer even when the test fails; the host's own namespace is never
+touched. The packet test uses the lab (kproxy.lab.topology), which does the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kproxy.dataplane.base import SyncError
+from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.nftables import names
+from kproxy.dataplane.nftables.backend import NftBackend
+from kproxy.dataplane.nftables.proxier import FAILED_TRANSACTION, NftablesDataplane
+from kproxy.dataplane.nftables.render import render_full
+from kproxy.lab.topology import Lab
+from kproxy.model.snapshot import ChangeTracker, snapshot_from_objects
+from kproxy.sources.base import ObjectEvent, ObjectKey
+from tests import test_nftables_upstream_compat as compat
+from tests.objects import endpoint, endpoint_slice, node, port, service
+from tests.test_nftables_helpers import FakeTable
+
+pytestmark = pytest.mark.kernel
+
+FACTS = NodeFacts(node_ips=("10.100.0.1",), local_addresses=("127.0.0.1", "10.100.0.1"))
+OPTIONS = RuleOptions(cluster_cidrs=("10.244.0.0/16",))
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"kpnft-{secrets.token_hex(4)}"
+    _ip("netns", "add", name)
+    try:
+        _ip("-n", name, "link", "set", "lo", "up")
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+def nft(ns: str, *args: str, input: str | None = None) -> str:
+    proc = subprocess.run(
+        ["ip", "netns", "exec", ns, "nft", *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def web(i: int, ips: list[str]) -> list[dict[str, Any]]:
+    name = f"web{i}"
+    return [
+        service(name, f"10.96.{i // 200}.{10 + i % 200}", [port("http", 80, 8080)]),
+        endpoint_slice(name, [endpoint(ip) for ip in ips], [port("http", 8080)]),
+    ]
+
+
+def event(obj: dict[str, Any], delete: bool = False) -> ObjectEvent:
+    meta = obj["metadata"]
+    ns = "" if obj["kind"] == "Node" else meta.get("namespace", "default")
+    return ObjectEvent(ObjectKey(obj["kind"], ns, meta["name"]), None if delete else obj)
+
+
+def tracker(n: int) -> ChangeTracker:
+    t = ChangeTracker("node1")
+    t.apply([event(node())])
+    for i in range(n):
+        t.apply([event(o) for o in web(i, [f"10.244.{i % 250}.{1 + i // 250}", "10.244.255.1"])])
+    return t
+
+
+def kernel_elements(ns: str, kind: str, name: str) -> dict[str, str]:
+    return {k: v for k, v, _ in NftBackend(netns=ns).elements(kind, "ip", names.TABLE, name)}
+
+
+# --------------------------------------------------------------------------- full syncs
+
+
+def test_check_passes_here(netns: str) -> None:
+    NftablesDataplane.check(netns)
+
+
+def test_full_sync_loads_upstreams_overall_case_and_the_kernel_agrees_with_the_model(
+    netns: str,
+) -> None:
+    case = compat._yaml("overall.yaml")
+    opts = compat.options()
+    snap = compat.snapshot(case["objects"])
+    dp = NftablesDataplane(
+        compat.facts(), opts, netns=netns, service_cidrs=compat.fixture()["service_cidrs"]
+    )
+    result = dp.sync(snap, full=True)
+    assert result.full and result.services == 6
+    listing = NftBackend(netns=netns).list_json("table", "ip", names.TABLE)
+    kinds = {next(iter(o)) for o in listing}
+    assert {"table", "chain", "rule", "set", "map"} <= kinds
+    maps = {o["map"]["name"] for o in listing if "map" in o}
+    assert maps == {
+        "service-ips",
+        "service-nodeports",
+        "no-endpoint-services",
+        "no-endpoint-nodeports",
+        "firewall-ips",
+    }
+    # The model (upstream's expected state, see the compat tests) equals what the kernel holds.
+    model = FakeTable()
+    model.apply(
+        render_full(snap, compat.facts(), opts, service_cidrs=compat.fixture()["service_cidrs"])
+    )
+    for name, container in model.containers.items():
+        if name.startswith("affinity-"):
+            continue
+        assert kernel_elements(netns, container.kind, name) == container.values, name
+    chains = set(NftBackend(netns=netns).chains("ip", names.TABLE))
+    assert chains == set(model.chains)
+    svc5 = "service-HVFWP5L3-ns5/svc5/tcp/p80"
+    out = nft(netns, "list", "chain", "ip", names.TABLE, svc5)
+    assert "ip saddr @affinity-GTK6MW7G-ns5/svc5/tcp/p80__10.180.0.3/80 goto" in out
+    assert "numgen random mod 1 vmap" in out
+    base = nft(netns, "list", "chain", "ip", names.TABLE, "nat-output")
+    assert "type nat hook output priority -100" in base  # G1: numeric on nft 1.0.6
+
+
+def test_every_golden_case_renders_to_a_valid_nft_script(netns: str) -> None:
+    cases = [compat._yaml("overall.yaml"), *compat._flow_cases()]
+    for case in cases:
+        text = render_full(
+            compat.snapshot(case["objects"]),
+            compat.facts(),
+            compat.options(),
+            service_cidrs=compat.fixture()["service_cidrs"],
+        )
+        nft(netns, "-f", "-", input=text)
+        nft(netns, "-f", "-", input=text)  # and again over itself: a full resync
+        nft(netns, "delete", "table", "ip", names.TABLE)
+
+
+# --------------------------------------------------------------------------- partial syncs
+
+
+def test_one_service_change_is_a_small_transaction(netns: str) -> None:
+    t = tracker(300)
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, clock=Clock())
+    full = dp.sync(t.snapshot(), full=True)
+    assert dp.last_write is not None
+    full_ops = len(dp.last_write.tx)
+    t.apply([event(o) for o in web(42, ["10.244.42.9", "10.244.255.1"])])
+    result = dp.sync(t.snapshot(), full=False)
+    assert not result.full and result.rewritten == 1
+    ops = len(dp.last_write.tx)
+    assert ops == 3 * 2 + 3 * 2 + 1, dp.last_write.tx.text()
+    assert full_ops > 50 * ops
+    assert full.rules_total == result.rules_total
+    # The kernel now DNATs web42 to the new endpoint.
+    chain = next(
+        c
+        for c in NftBackend(netns=netns).chains("ip", names.TABLE)
+        if "web42/" in c and c.startswith("service-")
+    )
+    assert "10.244.42.9" in nft(netns, "list", "chain", "ip", names.TABLE, chain)
+
+
+def test_stale_chains_are_deleted_on_a_later_sync(netns: str) -> None:
+    t = tracker(5)
+    clock = Clock()
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, clock=clock)
+    dp.sync(t.snapshot(), full=True)
+    t.apply([event(o, delete=True) for o in web(3, [])])
+    dp.sync(t.snapshot(), full=False)
+    backend = NftBackend(netns=netns)
+    stale = [c for c in backend.chains("ip", names.TABLE) if "web3/" in c]
+    assert len(stale) == 3
+    for chain in stale:  # flushed at once, still there
+        assert "jump" not in nft(netns, "list", "chain", "ip", names.TABLE, chain)
+    assert "10.96.0.13" not in kernel_elements(netns, "set", "cluster-ips")
+    clock.now += 1.5
+    result = dp.sync(t.snapshot(), full=False)
+    assert result.stale_removed == 3
+    assert not [c for c in backend.chains("ip", names.TABLE) if "web3/" in c]
+
+
+def test_broken_transaction_keeps_the_previous_table(netns: str, tmp_path: Path) -> None:
+    t = tracker(5)
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, state_dir=tmp_path, clock=Clock())
+    dp.sync(t.snapshot(), full=True)
+    before = nft(netns, "list", "table", "ip", names.TABLE)
+
+    t.apply([event(o) for o in web(2, ["10.244.2.77"])])
+    snap = t.snapshot()
+    real_plan = dp.planner.plan
+
+    def bad_plan(snapshot):
+        plan = real_plan(snapshot)
+        name = next(n for n in plan.blocks if n.name == "web2")
+        block = plan.blocks[name]
+        chain = block.chains[0]
+        broken = type(chain)(chain.name, (*chain.rules, "ip daddr 10.1.2.3 jump nowhere"))
+        plan.blocks[name] = type(block)(
+            block.name,
+            (broken, *block.chains[1:]),
+            block.endpoint_chains,
+            block.affinity_sets,
+            block.elements,
+        )
+        return plan
+
+    dp.planner.plan = bad_plan  # type: ignore[method-assign]
+    with pytest.raises(SyncError) as err:
+        dp.sync(snap, full=False)
+    message = str(err.value)
+    assert "line " in message and "jump nowhere" in message
+    assert "No such file or directory" in message
+    assert nft(netns, "list", "table", "ip", names.TABLE) == before
+    assert "jump nowhere" in (tmp_path / FAILED_TRANSACTION).read_text()
+    dp.planner.plan = real_plan  # type: ignore[method-assign]
+    assert dp.sync(snap, full=False).full  # the next sync is full and succeeds
+    assert "10.244.2.77" in nft(netns, "list", "table", "ip", names.TABLE)
+
+
+def test_rejected_netlink_step_names_the_element(netns: str, tmp_path: Path) -> None:
+    """An element change the kernel refuses (here: the mirror believes in an element someone
+    else deleted) fails the sync with the element named, and the next sync is full."""
+    t = tracker(5)
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, state_dir=tmp_path, clock=Clock())
+    dp.sync(t.snapshot(), full=True)
+    key = "10.96.0.12 . tcp . 80"
+    nft(netns, "delete", "element", "ip", names.TABLE, "service-ips", "{", key, "}")
+    t.apply([event(o) for o in web(2, [])])  # web2 loses its endpoints: delete + add
+    with pytest.raises(SyncError) as err:
+        dp.sync(t.snapshot(), full=False)
+    assert f"delete element ip kube-proxy service-ips {{ {key} }}" in str(err.value)
+    assert "No such file or directory" in str(err.value)
+    assert key in (tmp_path / FAILED_TRANSACTION).read_text()
+    assert dp.sync(t.snapshot(), full=False).full
+    assert key in kernel_elements(netns, "map", "no-endpoint-services")
+
+
+def test_restart_adopts_the_table(netns: str) -> None:
+    t = tracker(30)
+    NftablesDataplane(FACTS, OPTIONS, netns=netns).sync(t.snapshot(), full=True)
+    again = NftablesDataplane(FACTS, OPTIONS, netns=netns)
+    again.sync(t.snapshot(), full=False)
+    assert again.last_write is not None
+    lines = again.last_write.tx.lines
+    assert not [line for line in lines if "chain ip kube-proxy endpoint-" in line]
+    assert not [line for line in lines if " element " in line and "nodeport-ips" not in line]
+
+
+def test_detach_unhooks_in_one_step_and_a_full_sync_reattaches(netns: str) -> None:
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns)
+    dp.sync(tracker(3).snapshot(), full=True)
+    dp.detach()
+    listing = NftBackend(netns=netns).list_json("chains", "ip")
+    assert listing and not [c for c in listing if "hook" in c["chain"]]
+    assert [c for c in listing if c["chain"]["name"].startswith("service-")]
+    assert dp.sync(tracker(3).snapshot(), full=False).full
+    hooked = {
+        c["chain"]["name"]
+        for c in NftBackend(netns=netns).list_json("chains", "ip")
+        if "hook" in c["chain"]
+    }
+    assert len(hooked) == 8
+
+
+def test_drifted_and_cleanup_touch_only_our_tables(netns: str) -> None:
+    nft(
+        netns,
+        "-f",
+        "-",
+        input=(
+            "add table inet filter\n"
+            "add chain inet filter input { type filter hook input priority 0 ; }\n"
+            "add rule inet filter input tcp dport 22 accept\n"
+            "add table ip6 kube-proxy\n"
+            "add table ip nat\n"
+            "add table ip kproxy-anchor\n"
+        ),
+    )
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns)
+    dp.sync(tracker(3).snapshot(), full=True)
+    owned = sorted(o.name for o in dp.owned())
+    assert owned == ["ip kube-proxy", "ip6 kube-proxy"]
+    assert sorted(o.name for o in dp.cleanup(dry_run=True)) == owned
+    assert NftBackend(netns=netns).table_exists("ip", names.TABLE)
+    assert not dp.drifted()
+    dp.cleanup()
+    tables = {str(t) for t in NftBackend(netns=netns).tables()}
+    assert tables == {"inet filter", "ip nat", "ip kproxy-anchor"}
+    assert "tcp dport 22 accept" in nft(netns, "list", "table", "inet", "filter")
+    assert dp.owned() == []
+    dp.sync(tracker(3).snapshot(), full=True)
+    nft(netns, "delete", "table", "ip", names.TABLE)
+    assert dp.drifted()
+
+
+def kernel_state(ns: str) -> dict[str, Any]:
+    """The table as comparable data: rules per chain and elements per set (no handles)."""
+    import json
+
+    state: dict[str, Any] = {"chains": {}, "sets": {}}
+    for obj in NftBackend(netns=ns).list_json("table", "ip", names.TABLE):
+        if "chain" in obj:
+            c = obj["chain"]
+            state["chains"][c["name"]] = [c.get("type"), c.get("hook"), c.get("prio")]
+            state["chains"].setdefault(c["name"] + "#rules", [])
+        elif "rule" in obj:
+            r = obj["rule"]
+            rule = json.dumps([r["expr"], r.get("comment")], sort_keys=True)
+            state["chains"].setdefault(r["chain"] + "#rules", []).append(rule)
+        elif "set" in obj or "map" in obj:
+            kind = "set" if "set" in obj else "map"
+            body = obj[kind]
+            elems = sorted(json.dumps(e, sort_keys=True) for e in body.get("elem", []))
+            flags = body.get("flags", [])
+            state["sets"][body["name"]] = [kind, body["type"], flags, body.get("comment"), elems]
+    return state
+
+
+def test_fast_apply_reaches_the_state_of_one_upstream_form_transaction(netns: str) -> None:
+    """A series of partial syncs through the fast path (cache-free nft steps plus netlink
+    deletes and element changes) ends in the same kernel state as one full sync written in
+    upstream's form to a fresh table."""
+    t = tracker(40)
+    clock = Clock()
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, clock=clock, fast=True)
+    dp.backend.chunk_ops = 200  # type: ignore[attr-defined]  (several pieces on full syncs)
+    dp.sync(t.snapshot(), full=True)
+    affinity = {
+        "sessionAffinity": "ClientIP",
+        "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 99}},
+    }
+    lb = service(
+        "lb",
+        "10.96.9.9",
+        [port("http", 80, 8080, nodePort=30099)],
+        type="LoadBalancer",
+        loadBalancerSourceRanges=["10.100.0.0/24"],
+    )
+    lb["status"] = {"loadBalancer": {"ingress": [{"ip": "10.99.0.9"}]}}
+    changes = [
+        web(3, ["10.244.3.7", "10.244.3.8"]),  # endpoints replaced
+        web(4, []),  # emptied: service-ips -> no-endpoint-services
+        [
+            service("web5", "10.96.0.15", [port("http", 80, 8080)], internalTrafficPolicy="Local"),
+            web(5, ["10.244.5.1"])[1],
+        ],  # the service-ips value changes (goto local-...)
+        [
+            service("web6", "10.96.0.16", [port("http", 80, 8080)], **affinity),
+            web(6, ["10.244.6.1", "10.244.6.2"])[1],
+        ],  # affinity sets appear
+        [lb, endpoint_slice("lb", [endpoint("10.244.9.1")], [port("http", 8080)])],
+    ]
+    for objs in changes:
+        t.apply([event(o) for o in objs])
+        dp.sync(t.snapshot(), full=False)
+        clock.now += 0.4
+    t.apply([event(o, delete=True) for o in web(7, [])])  # a service deleted
+    t.apply([event(o) for o in web(6, ["10.244.6.1"])])  # its affinity sets go away
+    dp.sync(t.snapshot(), full=False)
+    assert any(s.startswith("netlink") for s in dp.backend.last_steps)  # type: ignore[attr-defined]
+    t.apply([event(o) for o in web(4, ["10.244.4.4"])])  # refilled
+    dp.sync(t.snapshot(), full=False)
+    clock.now += 5
+    dp.sync(t.snapshot(), full=False)  # deletes the stale chains
+    fast_state = kernel_state(netns)
+
+    nft(netns, "delete", "table", "ip", names.TABLE)
+    text = NftablesDataplane(FACTS, OPTIONS, netns=netns, fast=False)
+    text.sync(t.snapshot(), full=True)
+    assert kernel_state(netns) == fast_state
+
+
+# --------------------------------------------------------------------------- real packets
+
+
+def test_cluster_ip_and_node_port_carry_real_packets(lab: Lab) -> None:
+    pod_ips = sorted(lab.pod_ips.values())
+    objects = [
+        node(ip=lab.node_ip),
+        service(
+            "web",
+            "10.96.0.10",
+            [port("http", 80, 8080, nodePort=30080)],
+            type="NodePort",
+        ),
+        endpoint_slice("web", [endpoint(ip) for ip in pod_ips], [port("http", 8080)]),
+        service("empty", "10.96.0.11", [port("http", 80, 8080)]),
+    ]
+    snap = snapshot_from_objects(copy.deepcopy(objects), "node1")
+    facts = NodeFacts(node_ips=(lab.node_ip,), local_addresses=("127.0.0.1", lab.node_ip))
+    dp = NftablesDataplane(facts, RuleOptions(cluster_cidrs=(lab.cluster_cidr,)), netns=lab.node_ns)
+    try:
+        dp.sync(snap, full=True)
+        client = lab.agent(lab.client_ns[0])
+        results = client.request_many(proto="tcp", dst="10.96.0.10", port=80, count=40)
+        assert {r.pod for r in results if r.ok} == set(lab.pod_ips), results
+        assert all(r.ok for r in results)
+        # From outside the cluster CIDR: masqueraded to the node.
+        assert {r.peer for r in results} == {lab.node_ip}
+        via_nodeport = client.request_many(proto="tcp", dst=lab.node_ip, port=30080, count=15)
+        assert all(r.ok for r in via_nodeport), via_nodeport
+        # No endpoints: rejected at once (connection refused), not a timeout.
+        empty = client.request_many(proto="tcp", dst="10.96.0.11", port=80, count=1, timeout=2)
+        assert not empty[0].ok and empty[0].elapsed < 1.0, empty
+    finally:
+        dp.cleanup()
