@@ -545,6 +545,60 @@ def status(
     raise typer.Exit(0 if running else 1)
 
 
+# --- switch --------------------------------------------------------------------------------------
+
+
+@app.command()
+def switch(
+    to: Annotated[
+        str, typer.Option("--to", help="The mode to switch to, or 'previous' to roll back.")
+    ],
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Give up (and keep the old mode) after S s.")
+    ] = 60.0,
+    state_dir: StateDirOpt = DEFAULT_STATE_DIR,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
+) -> None:
+    """Switch the running kproxy to another proxy mode, live and make-before-break.
+
+    The new mode is programmed beside the old one and verified (every service in the
+    kernel, a self-probe of a sample of services); only then is the old mode taken out of
+    the packet path in one step and its state removed. If anything fails before that, the
+    old mode keeps serving untouched and the report says why. Exit code 0 on success.
+    """
+    from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
+
+    try:
+        report = call(
+            state_dir / SOCKET_NAME,
+            {"op": "switch", "to": to, "timeout": timeout},
+            timeout=timeout + 30,
+        )
+    except AdminUnavailable as err:
+        raise fail(str(err), code=1) from None
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        raise typer.Exit(0 if report.get("ok") else 1)
+    if "steps" not in report:
+        raise fail(str(report.get("error")), code=1)
+    for st in report["steps"]:
+        typer.echo(f"  {st['name']:<15} {st['seconds']:8.3f} s  {st['detail']}")
+    if report.get("ok"):
+        typer.secho(
+            f"switched {report['from_mode']} -> {report['to_mode']} in {report['duration']:.2f} s; "
+            f"{len(report.get('removed', []))} objects of {report['from_mode']} removed",
+            fg=typer.colors.GREEN,
+        )
+        raise typer.Exit(0)
+    typer.secho(
+        f"switch {report['from_mode']} -> {report['to_mode']} FAILED, "
+        f"{report['from_mode']} is still serving: {report.get('error')}",
+        fg=typer.colors.RED,
+        err=True,
+    )
+    raise typer.Exit(1)
+
+
 # --- snapshot and diff ---------------------------------------------------------------------------
 
 

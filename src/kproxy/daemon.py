@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kproxy.config import ProxyConfig, rule_options
 from kproxy.conntrack import cleanup_stale_udp
+from kproxy.dataplane.base import Dataplane
 from kproxy.dataplane.registry import create_dataplane
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.leftovers import clean_leftovers
@@ -20,6 +21,7 @@ from kproxy.server.admin import SOCKET_NAME, AdminServer
 from kproxy.server.http import HealthState, health_server, metrics_server
 from kproxy.server.metrics import ProxyMetrics
 from kproxy.sources.files import FileSource
+from kproxy.switch import ModeSwitcher
 from kproxy.sync import ProxyLoop
 from kproxy.sysctl import set_sysctl
 
@@ -47,6 +49,16 @@ class Daemon:
         # Before the node facts are read: tcpBeLiberal changes which rules are written.
         apply_conntrack_config(config)
         apply_oom_score(config.oom_score_adj)
+
+        def make(mode: str) -> Dataplane:
+            return create_dataplane(
+                mode,
+                options=rule_options(self.config.model_copy(update={"mode": mode})),
+                node_ips=node_ips,
+                iptables_backend_choice=iptables_backend,
+                state_dir=state_dir,
+            )[0]
+
         self.dataplane, facts = create_dataplane(
             config.effective_mode,
             options=options,
@@ -54,6 +66,9 @@ class Daemon:
             iptables_backend_choice=iptables_backend,
             state_dir=state_dir,
         )
+        self.switcher = ModeSwitcher(make_dataplane=make, state_dir=state_dir)
+        self.previous_mode: str | None = None
+        self.last_switch: dict[str, object] | None = None
         log.info("node %s: node IPs %s", node_name, ", ".join(facts.node_ips) or "none")
         if options.localhost_nodeports:
             # NodePorts on 127.0.0.1 need route_localnet (upstream sets it too); KUBE-FIREWALL
@@ -73,7 +88,11 @@ class Daemon:
         )
         self.admin = AdminServer(
             (state_dir or DEFAULT_STATE_DIR) / SOCKET_NAME,
-            {"status": lambda _: {"ok": True, **self.status()}, "sync": self._sync_request},
+            {
+                "status": lambda _: {"ok": True, **self.status()},
+                "sync": self._sync_request,
+                "switch": self._switch_request,
+            },
         )
         hard = config.bind_address_hard_fail
         self.servers = [
@@ -89,6 +108,33 @@ class Daemon:
             server.start()
         self.loop.start(self.source)
         self.admin.start()
+
+    def switch(self, to: str, timeout: float = 60.0) -> dict[str, object]:
+        """Switch the running proxy to another mode (see kproxy.switch); returns the report."""
+        if to == "previous":
+            if self.previous_mode is None:
+                return {"ok": False, "error": "no previous mode: this kproxy has not switched yet"}
+            to = self.previous_mode
+        with self.loop.exclusive():
+            old = self.dataplane
+            snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
+            report, now_serving = self.switcher.switch(old, snapshot, to, timeout=timeout)
+            if report.ok:
+                self.previous_mode = old.mode
+                self.dataplane = now_serving
+                self.loop.set_dataplane(now_serving)
+        self.metrics.switched(report.from_mode, report.to_mode, report.ok, report.duration)
+        self.last_switch = report.to_dict()
+        self.write_status()
+        self.loop.runner.run()  # changes that arrived during the switch
+        return self.last_switch
+
+    def _switch_request(self, request: dict[str, object]) -> dict[str, object]:
+        to = request.get("to")
+        if not isinstance(to, str):
+            return {"ok": False, "error": "switch needs 'to': a mode name or 'previous'"}
+        timeout = request.get("timeout", 60.0)
+        return self.switch(to, float(timeout) if isinstance(timeout, int | float) else 60.0)
 
     def _sync_request(self, _: dict[str, object]) -> dict[str, object]:
         self.loop.request_full_sync()
@@ -115,6 +161,8 @@ class Daemon:
             "last_result": dataclasses.asdict(st.last_result) if st.last_result else None,
             "conntrack_deleted": st.conntrack_deleted,
             "leftovers_removed": self.leftovers_removed,
+            "previous_mode": self.previous_mode,
+            "last_switch": self.last_switch,
             "rejections": [
                 str(r)
                 for r in (

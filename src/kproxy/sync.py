@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol as Interface
 
@@ -115,6 +116,16 @@ class ProxyLoop:
 
     def stop(self) -> None:
         self.runner.stop(timeout=30)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No sync runs while the caller holds this (a mode switch swaps the dataplane)."""
+        with self._lock:
+            yield
+
+    def set_dataplane(self, dataplane: Dataplane) -> None:
+        """Hand syncing to another dataplane that is already fully programmed."""
+        self.dataplane = dataplane
 
     def request_full_sync(self) -> None:
         self._force_full = True

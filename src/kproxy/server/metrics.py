@@ -156,6 +156,18 @@ class ProxyMetrics:
         self.sync_failures = Counter(
             "kproxy_sync_failures", "Cumulative failed syncs of any mode", ["mode"], registry=r
         )
+        self.switches = Counter(
+            "kproxy_mode_switches",
+            "Proxy mode switches",
+            ["from_mode", "to_mode", "result"],
+            registry=r,
+        )
+        self.switch_duration = Histogram(
+            "kproxy_mode_switch_duration_seconds",
+            "Duration of proxy mode switches, command start to old state gone",
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
         self.current_mode.labels(mode=mode).set(1)
         # Children exist from the start, so a fresh kproxy already exposes every series
         # (dashboards and absent() alerts see zeros, not gaps).
@@ -179,6 +191,16 @@ class ProxyMetrics:
         for policy in ("internal", "external"):
             self.no_local_endpoints.labels(traffic_policy=policy, ip_family=IP_FAMILY)
         self._trigger_seen: dict[str, float] = {}
+
+    def switched(self, from_mode: str, to_mode: str, ok: bool, seconds: float) -> None:
+        self.switches.labels(
+            from_mode=from_mode, to_mode=to_mode, result="ok" if ok else "failed"
+        ).inc()
+        if ok:
+            self.switch_duration.observe(seconds)
+            self.current_mode.labels(mode=from_mode).set(0)
+            self.current_mode.labels(mode=to_mode).set(1)
+            self.mode = to_mode
 
     # --- sync.SyncObserver --------------------------------------------------------------------
 

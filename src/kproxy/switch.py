@@ -1,0 +1,253 @@
+"""Live proxy-mode switching: make before break, verified, with a rollback before cut-over.
+
+Order (each step timed in the report):
+  check      the target mode can run here (never a fallback)
+  snapshot   the node's dataplane, kept in the state dir
+  anchor     conntrack and NAT hooks held for the whole switch (dataplane-lab G14)
+  program    the new mode completely, beside the old one (both in the packet path now;
+             both DNAT to the same endpoints, the first binding wins, so this is harmless)
+  verify     every service destination of the snapshot is in the new mode's kernel state,
+             and a sample of services answers from the node
+  cut-over   the old mode leaves the packet path in one step (Dataplane.detach)
+  remove     the old mode's state goes
+Anything failing before the cut-over removes the new mode's state, leaves the old mode
+untouched and deletes the half-open conntrack entries the attempt may have caused (G13).
+Established connections survive the cut-over: conntrack keeps their translation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kproxy.conntrack import delete_unreplied_syn
+from kproxy.dataplane.anchor import ConntrackAnchor
+from kproxy.dataplane.base import VALID_MODES, Dataplane, DataplaneUnavailable, SyncError
+from kproxy.model.objects import Protocol, Snapshot
+from kproxy.ops.snapshot import ServiceKey, services, take
+
+log = logging.getLogger("kproxy.switch")
+
+PROBE_SAMPLE = 8
+PROBE_TIMEOUT = 1.0
+
+
+@dataclass
+class Step:
+    name: str
+    seconds: float
+    detail: str = ""
+
+
+@dataclass
+class SwitchReport:
+    from_mode: str
+    to_mode: str
+    ok: bool = False
+    error: str | None = None
+    steps: list[Step] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    snapshots: list[str] = field(default_factory=list)
+    duration: float = 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class SwitchFailed(Exception):
+    """A step failed; the message says which and why."""
+
+
+def plane_name(dp: Dataplane) -> str:
+    """The dataplane's key in ops.snapshot.services()."""
+    backend = getattr(dp, "backend", None)
+    flavour = getattr(backend, "flavour", None)
+    return f"iptables-{flavour}" if dp.mode == "iptables" and flavour else dp.mode
+
+
+def expected_destinations(snapshot: Snapshot) -> set[ServiceKey]:
+    """What any mode must program for this snapshot: ClusterIPs with internal endpoints,
+    externalIPs and LoadBalancer IPs with endpoints."""
+    out: set[ServiceKey] = set()
+    for sp in snapshot.services.values():
+        proto = sp.protocol.lower
+        if sp.has_internal_endpoints:
+            out.add(ServiceKey(sp.cluster_ip, proto, sp.port))
+        if sp.any_endpoints:
+            out.update(
+                ServiceKey(ip, proto, sp.port) for ip in (*sp.external_ips, *sp.load_balancer_ips)
+            )
+    return out
+
+
+def probe(ip: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
+    """None when a TCP connection from here reaches an endpoint, else why not. A refusal
+    from the endpoint counts as reached: the packet got through the dataplane."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect((ip, port))
+        except ConnectionRefusedError:
+            return None
+        except OSError as err:
+            return f"{ip}:{port}: {err.strerror or type(err).__name__}"
+    return None
+
+
+class ModeSwitcher:
+    def __init__(
+        self,
+        *,
+        make_dataplane: Callable[[str], Dataplane],
+        state_dir: Path | None,
+        prober: Callable[[str, int], str | None] = probe,
+        snapshotter: Callable[[], dict[str, object]] = take,
+    ) -> None:
+        self.make_dataplane = make_dataplane
+        self.state_dir = state_dir
+        self.prober = prober
+        self.snapshotter = snapshotter
+
+    def switch(
+        self, old: Dataplane, snapshot: Snapshot, to: str, *, timeout: float
+    ) -> tuple[SwitchReport, Dataplane]:
+        """Returns the report and the dataplane now in use (the new one only on success)."""
+        report = SwitchReport(from_mode=old.mode, to_mode=to)
+        started = time.monotonic()
+        deadline = started + timeout
+        new: Dataplane | None = None
+        anchor = ConntrackAnchor()
+        cut = False
+
+        def step(name: str, fn: Callable[[], str]) -> None:
+            if time.monotonic() > deadline and not cut:
+                raise SwitchFailed(f"timed out after {timeout:.0f} s, before step {name!r}")
+            t0 = time.monotonic()
+            detail = fn()
+            report.steps.append(Step(name, round(time.monotonic() - t0, 4), detail))
+            log.info(
+                "switch %s -> %s: %s done in %.3f s %s",
+                old.mode,
+                to,
+                name,
+                report.steps[-1].seconds,
+                detail,
+            )
+
+        try:
+            step("check", lambda: self._check(old, to))
+            new = self._create(to)
+            step("snapshot", lambda: self._snapshot(report, "before"))
+            step("anchor", lambda: f"conntrack anchor ({anchor.install()})")
+            step("program", lambda: self._program(new, snapshot))
+            step("verify", lambda: self._verify(new, snapshot))
+        except (SwitchFailed, SyncError, DataplaneUnavailable) as err:
+            report.error = str(err)
+            self._roll_back(new, snapshot, report)
+            anchor.remove()
+            report.duration = round(time.monotonic() - started, 4)
+            log.error(
+                "switch %s -> %s failed, %s is still serving: %s", old.mode, to, old.mode, err
+            )
+            return report, old
+        try:
+            cut = True
+            step("cut-over", lambda: self._detach(old))
+            step("remove", lambda: self._remove(old, report))
+            step("snapshot-after", lambda: self._snapshot(report, "after"))
+        finally:
+            anchor.remove()
+        report.ok = True
+        report.duration = round(time.monotonic() - started, 4)
+        log.info("switched %s -> %s in %.3f s", old.mode, to, report.duration)
+        return report, new
+
+    # --- steps -------------------------------------------------------------------------------
+
+    def _check(self, old: Dataplane, to: str) -> str:
+        if to not in VALID_MODES:
+            raise SwitchFailed(f"unknown mode {to!r}: valid modes are {', '.join(VALID_MODES)}")
+        if to == old.mode:
+            raise SwitchFailed(f"already in {to} mode")
+        return f"{old.mode} -> {to}"
+
+    def _create(self, to: str) -> Dataplane:
+        try:
+            return self.make_dataplane(to)
+        except DataplaneUnavailable as err:
+            raise SwitchFailed(f"{to} mode cannot run here: {err}") from err
+
+    def _snapshot(self, report: SwitchReport, when: str) -> str:
+        if self.state_dir is None:
+            return "no state dir: not kept"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        path = self.state_dir / f"switch-{stamp}-{report.from_mode}-{report.to_mode}-{when}.json"
+        path.write_text(json.dumps(self.snapshotter(), indent=1))
+        report.snapshots.append(str(path))
+        return str(path)
+
+    def _program(self, new: Dataplane, snapshot: Snapshot) -> str:
+        result = new.sync(snapshot, full=True)
+        return f"{result.services} service ports, {result.pieces} transactions"
+
+    def _verify(self, new: Dataplane, snapshot: Snapshot) -> str:
+        expected = expected_destinations(snapshot)
+        programmed = set(services(self.snapshotter()).get(plane_name(new), {}))
+        missing = sorted(expected - programmed)
+        if missing:
+            shown = ", ".join(str(k) for k in missing[:10])
+            raise SwitchFailed(
+                f"{new.mode} is missing {len(missing)} of {len(expected)} service destinations"
+                f" in the kernel: {shown}"
+            )
+        candidates = sorted(
+            (sp.cluster_ip, sp.port)
+            for sp in snapshot.services.values()
+            if sp.protocol is Protocol.TCP and sp.has_internal_endpoints
+        )
+        sample = random.Random(len(candidates)).sample(
+            candidates, min(PROBE_SAMPLE, len(candidates))
+        )
+        failures = [why for ip, port in sample if (why := self.prober(ip, port)) is not None]
+        if failures:
+            raise SwitchFailed(
+                f"self-probe failed for {len(failures)} of {len(sample)} services: "
+                + "; ".join(failures)
+            )
+        return f"{len(expected)} destinations in the kernel, {len(sample)} services answered"
+
+    def _detach(self, old: Dataplane) -> str:
+        old.detach()
+        return f"{old.mode} out of the packet path"
+
+    def _remove(self, old: Dataplane, report: SwitchReport) -> str:
+        removed = old.cleanup()
+        report.removed = [str(o) for o in removed]
+        return f"{len(removed)} objects of {old.mode} removed"
+
+    def _roll_back(self, new: Dataplane | None, snapshot: Snapshot, report: SwitchReport) -> None:
+        if new is not None:
+            try:
+                new.cleanup()
+            except Exception as err:  # keep rolling back; report it
+                log.error("could not remove the new mode's state: %s", err)
+                report.error = f"{report.error}; removing {new.mode}'s state also failed: {err}"
+        cleared = 0
+        for ip in sorted({sp.cluster_ip for sp in snapshot.services.values()}):
+            try:
+                cleared += delete_unreplied_syn(ip)
+            except Exception as err:
+                log.warning("could not clear half-open entries to %s: %s", ip, err)
+                break
+        report.steps.append(
+            Step(
+                "roll-back", 0.0, f"new mode removed; {cleared} half-open conntrack entries cleared"
+            )
+        )

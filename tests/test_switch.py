@@ -1,0 +1,121 @@
+"""ModeSwitcher's order and its rollback, with fake dataplanes (no kernel)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kproxy.dataplane.base import SyncResult
+from kproxy.model.objects import Snapshot
+from kproxy.model.snapshot import snapshot_from_objects
+from kproxy.switch import ModeSwitcher, expected_destinations
+from tests.objects import endpoint, endpoint_slice, port, service
+
+
+class Plane:
+    def __init__(self, mode: str, calls: list[str]) -> None:
+        self.mode = mode
+        self.calls = calls
+
+    def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult:
+        self.calls.append(f"{self.mode}.sync")
+        return SyncResult(full=full, services=len(snapshot.services))
+
+    def detach(self) -> None:
+        self.calls.append(f"{self.mode}.detach")
+
+    def cleanup(self, *, dry_run: bool = False) -> list:
+        self.calls.append(f"{self.mode}.cleanup")
+        return []
+
+    def drifted(self) -> bool:
+        return False
+
+    def owned(self) -> list:
+        return []
+
+
+SNAP = snapshot_from_objects(
+    [
+        service("web", "10.96.0.10", [port("http", 80, 8080)], externalIPs=["10.99.0.10"]),
+        endpoint_slice("web", [endpoint("10.244.0.2")], [port("http", 8080)]),
+        service("empty", "10.96.0.11", [port("http", 80, 8080)]),
+    ],
+    "node1",
+)
+
+
+def programmed(*ips: str) -> dict:
+    """A snapshot whose nftables service-ips map holds these ClusterIP/externalIP keys."""
+    elems = [
+        [{"concat": [ip, "tcp", 80]}, {"goto": {"target": "service-X-default/web/tcp/http"}}]
+        for ip in ips
+    ]
+    table = {"nftables": [{"map": {"table": "kube-proxy", "name": "service-ips", "elem": elems}}]}
+    return {"format": "kproxy-snapshot/v1", "nftables": {"output": json.dumps(table)}}
+
+
+PROGRAMMED = programmed("10.96.0.10", "10.99.0.10")
+
+
+def test_expected_destinations_skip_services_without_endpoints() -> None:
+    assert {str(k) for k in expected_destinations(SNAP)} == {
+        "tcp 10.96.0.10:80",
+        "tcp 10.99.0.10:80",
+    }
+
+
+def test_make_before_break_order(tmp_path: Path) -> None:
+    calls: list[str] = []
+    switcher = ModeSwitcher(
+        make_dataplane=lambda mode: Plane(mode, calls),
+        state_dir=tmp_path,
+        prober=lambda ip, p: None,
+        snapshotter=lambda: PROGRAMMED,
+    )
+    report, now = switcher.switch(Plane("iptables", calls), SNAP, "nftables", timeout=30)
+    assert report.ok, report.error
+    assert now.mode == "nftables"
+    assert calls == ["nftables.sync", "iptables.detach", "iptables.cleanup"]
+    assert len(report.snapshots) == 2 and all(Path(p).exists() for p in report.snapshots)
+
+
+def test_verification_failure_rolls_back_and_keeps_the_old_mode(tmp_path: Path) -> None:
+    calls: list[str] = []
+    missing_one = programmed("10.96.0.10")
+    switcher = ModeSwitcher(
+        make_dataplane=lambda mode: Plane(mode, calls),
+        state_dir=None,
+        prober=lambda ip, p: None,
+        snapshotter=lambda: missing_one,
+    )
+    old = Plane("iptables", calls)
+    report, now = switcher.switch(old, SNAP, "nftables", timeout=30)
+    assert not report.ok and now is old
+    assert "missing 1 of 2 service destinations" in (report.error or "")
+    assert "tcp 10.99.0.10:80" in (report.error or "")
+    assert calls == ["nftables.sync", "nftables.cleanup"], "old mode never detached"
+    assert report.steps[-1].name == "roll-back"
+
+
+def test_probe_failure_rolls_back(tmp_path: Path) -> None:
+    calls: list[str] = []
+    switcher = ModeSwitcher(
+        make_dataplane=lambda mode: Plane(mode, calls),
+        state_dir=None,
+        prober=lambda ip, p: f"{ip}:{p}: timed out",
+        snapshotter=lambda: PROGRAMMED,
+    )
+    report, _ = switcher.switch(Plane("iptables", calls), SNAP, "nftables", timeout=30)
+    assert not report.ok and "self-probe failed for 1 of 1" in (report.error or "")
+    assert "iptables.detach" not in calls
+
+
+def test_unknown_or_same_mode_is_refused() -> None:
+    switcher = ModeSwitcher(make_dataplane=lambda m: Plane(m, []), state_dir=None)
+    assert "unknown mode" in (
+        switcher.switch(Plane("iptables", []), SNAP, "ipvs ", timeout=5)[0].error or ""
+    )
+    assert "already in" in (
+        switcher.switch(Plane("iptables", []), SNAP, "iptables", timeout=5)[0].error or ""
+    )

@@ -1,0 +1,149 @@
+"""Live mode switches under load: zero failed requests, zero dropped connections — and the
+naive order (remove old, then add new) fails under the same load, so the test can fail."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kproxy.lab.load import LoadHarness
+from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.topology import Lab
+from tests.objects import endpoint, endpoint_slice, node, port, service, write
+
+pytestmark = pytest.mark.kernel
+CONFIG = """\
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: {mode}
+hostnameOverride: node1
+clusterCIDR: 10.244.0.0/16
+conntrack: {{maxPerCore: 0}}
+"""
+PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
+
+
+def start(lab: Lab, tmp_path: Path, mode: str) -> ProxyProcess:
+    src = tmp_path / "objects"
+    src.mkdir(parents=True, exist_ok=True)
+    write(src / "node.yaml", node())
+    write(
+        src / "web.yaml",
+        service("web", "10.96.0.10", [port("http", 80, 8080)]),
+        endpoint_slice("web", [endpoint(ip) for ip in PODS], [port("http", 8080)]),
+    )
+    write(
+        src / "dns.yaml",
+        service("dns", "10.96.0.53", [port("dns", 53, 8080, protocol="UDP")]),
+        endpoint_slice("dns", [endpoint(ip) for ip in PODS], [port("dns", 8080, protocol="UDP")]),
+    )
+    cfg = tmp_path / f"{mode}.yaml"
+    cfg.write_text(CONFIG.format(mode=mode))
+    return ProxyProcess(
+        lab, src, config=cfg, args=["--iptables-backend", "nft"], workdir=tmp_path / "kp"
+    ).start()
+
+
+def switch(proxy: ProxyProcess, to: str) -> dict:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kproxy.cli",
+            "switch",
+            "--to",
+            to,
+            "--json",
+            "--state-dir",
+            str(proxy.state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    return json.loads(out.stdout or "{}") | {"_rc": out.returncode, "_stderr": out.stderr}
+
+
+def kernel_state(lab: Lab) -> tuple[bool, bool]:
+    """(iptables mode present, nftables mode present) in the node."""
+    ipt = "KUBE-SERVICES" in lab.exec(lab.node_ns, ["iptables-nft-save", "-t", "nat"]).stdout
+    nft = "kube-proxy" in lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout
+    return ipt, nft
+
+
+def test_switch_iptables_nftables_and_back_under_load_fails_nothing(
+    lab: Lab, tmp_path: Path
+) -> None:
+    proxy = start(lab, tmp_path, "iptables")
+    load = LoadHarness(lab, tcp=("10.96.0.10", 80), udp=("10.96.0.53", 53)).start()
+    try:
+        import time
+
+        time.sleep(0.5)
+        to_nft = switch(proxy, "nftables")
+        assert to_nft["ok"], to_nft
+        assert kernel_state(lab) == (False, True)
+        time.sleep(0.5)
+        back = switch(proxy, "previous")
+        assert back["ok"] and back["to_mode"] == "iptables", back
+        assert kernel_state(lab) == (True, False)
+        time.sleep(0.5)
+    finally:
+        result = load.stop()
+        proxy.stop()
+    assert result.fresh_sent > 100 and result.pings_sent > 50 and result.udp_sent > 20, (
+        result.summary()
+    )
+    assert result.failures == 0 and result.streams_dropped == 0, result.summary()
+    steps = [s["name"] for s in to_nft["steps"]]
+    assert steps == [
+        "check",
+        "snapshot",
+        "anchor",
+        "program",
+        "verify",
+        "cut-over",
+        "remove",
+        "snapshot-after",
+    ]
+    assert any("KUBE-SERVICES" in r for r in to_nft["removed"])
+    assert "anchor" not in lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout
+
+
+def test_the_naive_order_fails_under_the_same_load(lab: Lab, tmp_path: Path) -> None:
+    proxy = start(lab, tmp_path, "iptables")
+    load = LoadHarness(lab, tcp=("10.96.0.10", 80), udp=("10.96.0.53", 53)).start()
+    try:
+        import time
+
+        time.sleep(0.5)
+        # remove old, then add new: what a restart into another mode does without kproxy
+        proxy.kill()
+        lab.exec(lab.node_ns, [sys.executable, "-m", "kproxy.cli", "cleanup"])
+        time.sleep(0.3)  # the time a new proxy takes to come up and program its rules
+        nft = start(lab, tmp_path / "nft", "nftables")
+        time.sleep(0.5)
+    finally:
+        result = load.stop()
+        proxy.stop()
+    nft.stop()
+    assert result.failures > 0, f"the naive order should fail: {result.summary()}"
+
+
+def test_a_switch_that_cannot_run_leaves_the_old_mode_untouched(lab: Lab, tmp_path: Path) -> None:
+    proxy = start(lab, tmp_path, "iptables")
+    before = lab.exec(lab.node_ns, ["iptables-nft-save", "-t", "nat"]).stdout.count("-A KUBE-")
+    report = switch(proxy, "ipvs")
+    assert report["_rc"] == 1 and not report["ok"]
+    assert "ipvs mode cannot run here" in report["error"] and "not available" in report["error"]
+    assert (
+        lab.exec(lab.node_ns, ["iptables-nft-save", "-t", "nat"]).stdout.count("-A KUBE-") == before
+    )
+    assert lab.agent(lab.client_ns[0]).request(proto="tcp", dst="10.96.0.10", port=80).ok
+    assert switch(proxy, "previous")["error"].startswith("no previous mode")
+    proxy.stop()
