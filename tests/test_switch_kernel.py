@@ -147,3 +147,72 @@ def test_a_switch_that_cannot_run_leaves_the_old_mode_untouched(lab: Lab, tmp_pa
     assert lab.agent(lab.client_ns[0]).request(proto="tcp", dst="10.96.0.10", port=80).ok
     assert switch(proxy, "previous")["error"].startswith("no previous mode")
     proxy.stop()
+
+
+def test_changing_mode_in_the_config_file_switches_live(lab: Lab, tmp_path: Path) -> None:
+    import time
+
+    proxy = start(lab, tmp_path, "iptables")
+    pid = proxy.proc.pid if proxy.proc else None
+    try:
+        assert proxy.config is not None
+        proxy.config.write_text(CONFIG.format(mode="nftables"))
+        deadline = time.monotonic() + 15
+        while proxy.status().get("mode") != "nftables" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        st = proxy.status()
+        assert st["mode"] == "nftables" and st["pid"] == pid, "same process, new mode"
+        assert st["last_switch"]["ok"]
+        assert kernel_state(lab) == (False, True)
+        assert lab.agent(lab.client_ns[0]).request(proto="tcp", dst="10.96.0.10", port=80).ok
+        # A config that does not validate changes nothing.
+        proxy.config.write_text(CONFIG.format(mode="nftabels"))
+        time.sleep(2.0)
+        assert proxy.status()["mode"] == "nftables"
+        assert "config change ignored" in proxy.log_tail(50)
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.2, 0.4])
+def test_kill_9_during_a_switch_leaves_a_serving_node_and_restart_converges(
+    lab: Lab, tmp_path: Path, delay: float
+) -> None:
+    import time
+
+    proxy = start(lab, tmp_path, "iptables")
+    client = lab.agent(lab.client_ns[0])
+    switching = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kproxy.cli",
+            "switch",
+            "--to",
+            "nftables",
+            "--state-dir",
+            str(proxy.state_dir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(delay)
+    proxy.kill()
+    switching.wait(timeout=30)
+    try:
+        results = client.request_many(proto="tcp", dst="10.96.0.10", port=80, count=20, timeout=1.0)
+        assert all(r.ok for r in results), (
+            f"killed at +{delay}s: node not serving: {[r.error for r in results]}"
+        )
+        proxy.start()  # configured mode: iptables
+        deadline = time.monotonic() + 10
+        while proxy.status().get("leftovers_removed") is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proxy.status()["mode"] == "iptables"
+        assert kernel_state(lab) == (True, False), "the next start converges and cleans the rest"
+        assert "kproxy-anchor" not in lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout
+        assert all(
+            r.ok for r in client.request_many(proto="tcp", dst="10.96.0.10", port=80, count=10)
+        )
+    finally:
+        proxy.stop()

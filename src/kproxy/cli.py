@@ -304,6 +304,7 @@ def run(
             node_ips=tuple(node_ip or ()),
             state_dir=state_dir,
             node_name=_node_name(config),
+            config_path=config_path,
         )
         daemon.start()
     except UserError as err:

@@ -9,7 +9,7 @@ import os
 import threading
 from pathlib import Path
 
-from kproxy.config import ProxyConfig, rule_options
+from kproxy.config import ConfigError, ProxyConfig, load_config, rule_options
 from kproxy.conntrack import cleanup_stale_udp
 from kproxy.dataplane.base import Dataplane
 from kproxy.dataplane.registry import create_dataplane
@@ -38,8 +38,10 @@ class Daemon:
         iptables_backend: str = "auto",
         node_ips: tuple[str, ...] = (),
         state_dir: Path | None = None,
+        config_path: Path | None = None,
     ) -> None:
         self.config = config
+        self.config_watch = ConfigWatch(config_path, self) if config_path else None
         self.node_name = node_name
         if not Path(source).exists():
             raise FileNotFoundError(2, "no such file or folder", str(source))
@@ -108,6 +110,8 @@ class Daemon:
             server.start()
         self.loop.start(self.source)
         self.admin.start()
+        if self.config_watch is not None:
+            self.config_watch.start()
 
     def switch(self, to: str, timeout: float = 60.0) -> dict[str, object]:
         """Switch the running proxy to another mode (see kproxy.switch); returns the report."""
@@ -184,11 +188,69 @@ class Daemon:
             log.warning("could not write status: %s", err)
 
     def stop(self) -> None:
+        if self.config_watch is not None:
+            self.config_watch.stop()
         self.admin.stop()
         self.source.stop()
         self.loop.stop()
         for server in self.servers:
             server.stop()
+
+
+class ConfigWatch:
+    """Polls the config file; a changed `mode` switches live (no restart). Other changes
+    are reported as needing a restart; a file that no longer validates changes nothing."""
+
+    def __init__(self, path: Path, daemon: Daemon, interval: float = 1.0) -> None:
+        self.path = path
+        self.daemon = daemon
+        self.interval = interval
+        self._stop = threading.Event()
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="config-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            stamp = self._stamp()
+            if stamp == self._seen or stamp is None:
+                continue
+            self._seen = stamp
+            self.changed()
+
+    def changed(self) -> None:
+        d = self.daemon
+        try:
+            new = load_config(self.path)
+        except (ConfigError, OSError) as err:
+            log.error("config change ignored, the running configuration stays: %s", err)
+            return
+        others = sorted(
+            k
+            for k, v in new.to_dict(effective=False).items()
+            if k != "mode" and d.config.to_dict(effective=False).get(k) != v
+        )
+        if others:
+            log.warning("config change of %s needs a restart to take effect", ", ".join(others))
+        if new.effective_mode != d.dataplane.mode:
+            log.info("config file now says mode %s: switching live", new.effective_mode)
+            d.config = d.config.model_copy(update={"mode": new.mode})
+            report = d.switch(new.effective_mode)
+            if not report.get("ok"):
+                log.error(
+                    "config-driven switch to %s failed: %s", new.effective_mode, report.get("error")
+                )
 
 
 class LeftoverCleaner:
