@@ -111,3 +111,22 @@ def test_cleanup_removes_only_kube_proxy_state(netns: str, flavour: str) -> None
 
     again = run_in(netns, *kproxy)
     assert "nothing to remove" in again.stdout
+
+
+def test_cleanup_removes_kube_proxy_nftables_tables_only(netns: str) -> None:
+    script = (
+        "add table ip kube-proxy\nadd chain ip kube-proxy services\n"
+        "add table ip6 kube-proxy\nadd table inet firewalld\nadd table ip kproxy-anchor\n"
+    )
+    assert run_in(netns, "nft", "-f", "-", input=script).returncode == 0
+    kproxy = [sys.executable, "-m", "kproxy.cli", "cleanup"]
+    dry = json.loads(run_in(netns, *kproxy, "--dry-run", "--json").stdout)["removed"]
+    assert {o["name"] for o in dry if o["kind"] == "nft-table"} == {
+        "ip kube-proxy",
+        "ip6 kube-proxy",
+        "ip kproxy-anchor",
+    }
+    assert run_in(netns, *kproxy).returncode == 0
+    tables = run_in(netns, "nft", "list", "tables").stdout
+    assert "kube-proxy" not in tables and "kproxy-anchor" not in tables
+    assert "inet firewalld" in tables

@@ -460,21 +460,17 @@ def cleanup(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Remove the iptables state of kproxy and upstream kube-proxy (both backends), only that.
+    """Remove the dataplane state of kproxy and upstream kube-proxy, every mode, only that.
 
-    Chains of other software, and kubelet's own chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY),
-    are never touched. Works in the current network namespace.
+    iptables chains of every kube-proxy mode in both backends (and the rules elsewhere that
+    jump into them), the kube-proxy nftables tables, kube-ipvs0 and the ipvs ipsets.
+    kubelet's chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY) and other software's state are
+    never touched. Works in the current network namespace.
     """
     setup_logging(verbose)
-    from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError
-    from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
+    from kproxy.leftovers import clean_leftovers
 
-    removed = []
-    for flavour in ("nft", "legacy"):
-        try:
-            removed += iptables_cleanup(IptablesBackend(flavour), dry_run=dry_run)
-        except IptablesError as err:
-            raise fail(f"cleanup of iptables-{flavour} failed: {err}", code=1) from None
+    removed = clean_leftovers(None, dry_run=dry_run)
     if as_json:
         typer.echo(
             json.dumps({"dry_run": dry_run, "removed": [o.__dict__ for o in removed]}, indent=2)
@@ -482,7 +478,7 @@ def cleanup(
         return
     verb = "would remove" if dry_run else "removed"
     if not removed:
-        typer.echo("nothing to remove: no kproxy or kube-proxy iptables state here")
+        typer.echo("nothing to remove: no kproxy or kube-proxy dataplane state here")
     for obj in removed:
         typer.echo(f"{verb} {obj}")
 

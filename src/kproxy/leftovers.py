@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
+from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
 from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError, in_netns
 from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
@@ -21,7 +22,6 @@ from kproxy.dataplane.iptables.cleanup import iptables_mode_chain
 
 log = logging.getLogger("kproxy.leftovers")
 
-NFT_TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"), ("ip", "kproxy-anchor"))
 # upstream's ipvs-mode ipsets (reference §3), IPv4 and IPv6 names
 IPVS_SETS = (
     "KUBE-LOOP-BACK",
@@ -80,24 +80,24 @@ def clean_leftovers(
 def _nft_tables(netns: str | None, dry_run: bool) -> list[OwnedObject]:
     if shutil.which("nft") is None:
         return []
-    listing = _run(["nft", "list", "tables"], netns)
-    present = {
-        tuple(line.split()[1:3])
-        for line in listing.stdout.splitlines()
-        if line.startswith("table ")
-    }
-    out = []
-    for family, name in NFT_TABLES:
-        if (family, name) not in present:
-            continue
-        why = (
-            "kproxy's conntrack anchor"
-            if name == "kproxy-anchor"
-            else "the kube-proxy nftables table"
+    from kproxy.dataplane.nftables.backend import NftBackend
+    from kproxy.dataplane.nftables.cleanup import cleanup as nft_cleanup
+
+    removed = nft_cleanup(NftBackend(netns=netns), dry_run=dry_run)
+    # The switch's conntrack anchor: only ever a leftover outside a switch (a crash).
+    listing = _run(["nft", "list", "tables"], netns).stdout
+    if f"table ip {ANCHOR_TABLE}" in listing:
+        if not dry_run:
+            _run(["nft", "delete", "table", "ip", ANCHOR_TABLE], netns)
+        removed.append(
+            OwnedObject(
+                "nft-table",
+                "nftables",
+                f"ip {ANCHOR_TABLE}",
+                "kproxy's mode-switch conntrack anchor",
+            )
         )
-        if dry_run or _run(["nft", "delete", "table", family, name], netns).returncode == 0:
-            out.append(OwnedObject("nft-table", "nftables", f"{family} {name}", why))
-    return out
+    return removed
 
 
 def _kube_ipvs0(netns: str | None, dry_run: bool) -> list[OwnedObject]:
