@@ -115,6 +115,26 @@ def test_nftables_render_is_a_valid_nft_script() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_userspace_render_shows_redirect_rules_and_listener_table() -> None:
+    proc = kproxy(
+        "render",
+        "--source",
+        str(EXAMPLES),
+        "--proxy-mode",
+        "userspace",
+        "--hostname-override",
+        "node1",
+        "--cluster-cidr",
+        "10.244.0.0/16",
+        *FACTS,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        '-A KUBE-PORTALS-CONTAINER -m comment --comment "demo/web:http cluster IP"' in proc.stdout
+    )
+    assert "demo/web:http" in proc.stdout and "listen" in proc.stdout.lower()
+
+
 @pytest.mark.parametrize("mode", ["ipvs ", "IPVS", "iptabels", "userpsace"])
 def test_mode_typos_are_errors_listing_valid_modes(mode: str) -> None:
     proc = kproxy("render", "--source", str(EXAMPLES), "--proxy-mode", mode, *FACTS)
@@ -126,7 +146,7 @@ def test_mode_typos_are_errors_listing_valid_modes(mode: str) -> None:
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("mode", ["ipvs", "userspace"])
+@pytest.mark.parametrize("mode", ["ipvs"])
 def test_modes_of_later_issues_fail_clearly_instead_of_falling_back(mode: str) -> None:
     proc = kproxy("render", "--source", str(EXAMPLES), "--proxy-mode", mode, *FACTS)
     assert proc.returncode == 2

@@ -25,7 +25,13 @@ from tests.objects import endpoint, endpoint_slice, node, port, service, write
 pytestmark = pytest.mark.kernel
 
 # (mode, iptables backend) pairs under test.
-DATAPLANES = [("iptables", "nft"), ("iptables", "legacy"), ("nftables", "")]
+DATAPLANES = [
+    ("iptables", "nft"),
+    ("iptables", "legacy"),
+    ("nftables", ""),
+    ("userspace", "nft"),
+    ("userspace", "legacy"),
+]
 CONFIG = """\
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
@@ -55,7 +61,7 @@ class Env:
     @property
     def plane(self) -> str:
         """The dataplane's name in snapshots: iptables-nft, iptables-legacy or nftables."""
-        return f"iptables-{self.backend}" if self.mode == "iptables" else self.mode
+        return f"{self.mode}-{self.backend}" if self.backend else self.mode
 
     def client(self, i: int = 0):
         return self.lab.agent(self.lab.client_ns[i])
@@ -161,7 +167,7 @@ def test_node_port_from_client_and_from_node(env: Env) -> None:
     localhost = node_agent.request_many(
         proto="tcp", dst="127.0.0.1", port=30080, count=5, timeout=0.5
     )
-    if env.mode == "iptables":
+    if env.mode != "nftables":
         # localhostNodePorts (default true): NodePorts answer on 127.0.0.1 of the node too.
         assert all(r.ok for r in localhost), pods_of(localhost)
     else:
@@ -383,7 +389,7 @@ def test_rules_flushed_by_someone_else_come_back(env: Env) -> None:
     env.proxy.start()
     client = env.client()
     # A firewall reload: the whole nat table is flushed and its chains deleted.
-    if env.mode == "iptables":
+    if env.mode != "nftables":
         env.lab.exec(env.lab.node_ns, [f"iptables-{env.backend}", "-t", "nat", "-F"])
         env.lab.exec(env.lab.node_ns, [f"iptables-{env.backend}", "-t", "nat", "-X"])
     else:

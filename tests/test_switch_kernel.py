@@ -76,31 +76,41 @@ def kernel_state(lab: Lab) -> tuple[bool, bool]:
     return ipt, nft
 
 
-def test_switch_iptables_nftables_and_back_under_load_fails_nothing(
-    lab: Lab, tmp_path: Path
-) -> None:
+def live_modes(lab: Lab) -> set[str]:
+    nat = lab.exec(lab.node_ns, ["iptables-nft-save", "-t", "nat"]).stdout
+    modes = set()
+    if "-A PREROUTING" in nat and "-j KUBE-SERVICES" in nat:
+        modes.add("iptables")
+    if "-j KUBE-PORTALS-CONTAINER" in nat:
+        modes.add("userspace")
+    if "kube-proxy" in lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout:
+        modes.add("nftables")
+    return modes
+
+
+def test_switch_through_every_mode_under_load_fails_nothing(lab: Lab, tmp_path: Path) -> None:
+    import time
+
     proxy = start(lab, tmp_path, "iptables")
     load = LoadHarness(lab, tcp=("10.96.0.10", 80), udp=("10.96.0.53", 53)).start()
+    reports = []
     try:
-        import time
-
         time.sleep(0.5)
-        to_nft = switch(proxy, "nftables")
-        assert to_nft["ok"], to_nft
-        assert kernel_state(lab) == (False, True)
-        time.sleep(0.5)
-        back = switch(proxy, "previous")
-        assert back["ok"] and back["to_mode"] == "iptables", back
-        assert kernel_state(lab) == (True, False)
-        time.sleep(0.5)
+        for to in ("nftables", "userspace", "iptables", "previous"):
+            report = switch(proxy, to)
+            assert report["ok"], report
+            reports.append(report)
+            assert live_modes(lab) == {report["to_mode"]}, (report["to_mode"], live_modes(lab))
+            time.sleep(0.5)
     finally:
         result = load.stop()
         proxy.stop()
+    assert [r["to_mode"] for r in reports] == ["nftables", "userspace", "iptables", "userspace"]
     assert result.fresh_sent > 100 and result.pings_sent > 50 and result.udp_sent > 20, (
         result.summary()
     )
     assert result.failures == 0 and result.streams_dropped == 0, result.summary()
-    steps = [s["name"] for s in to_nft["steps"]]
+    steps = [s["name"] for s in reports[0]["steps"]]
     assert steps == [
         "check",
         "snapshot",
@@ -111,7 +121,7 @@ def test_switch_iptables_nftables_and_back_under_load_fails_nothing(
         "remove",
         "snapshot-after",
     ]
-    assert any("KUBE-SERVICES" in r for r in to_nft["removed"])
+    assert any("KUBE-SERVICES" in r for r in reports[0]["removed"])
     assert "anchor" not in lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout
 
 

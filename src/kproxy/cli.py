@@ -415,6 +415,18 @@ def render(
             from kproxy.dataplane.nftables.render import render_full as render_nft
 
             sys.stdout.write(render_nft(snapshot, facts, rule_options(config)))
+        elif config.effective_mode == "userspace":
+            from kproxy.dataplane.userspace.proxier import saved_ports
+            from kproxy.dataplane.userspace.render import parse_port_range, render_text
+
+            text = render_text(
+                snapshot,
+                facts,
+                rule_options(config),
+                previous_ports=saved_ports(DEFAULT_STATE_DIR),
+                port_range=parse_port_range(config.port_range),
+            )
+            sys.stdout.write(text)
         else:
             sys.stdout.write(render_full(snapshot, facts, rule_options(config)))
     except UserError as err:

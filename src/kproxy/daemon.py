@@ -59,6 +59,7 @@ class Daemon:
                 node_ips=node_ips,
                 iptables_backend_choice=iptables_backend,
                 state_dir=state_dir,
+                port_range=config.port_range,
             )[0]
 
         self.dataplane, facts = create_dataplane(
@@ -67,6 +68,7 @@ class Daemon:
             node_ips=node_ips,
             iptables_backend_choice=iptables_backend,
             state_dir=state_dir,
+            port_range=config.port_range,
         )
         self.switcher = ModeSwitcher(make_dataplane=make, state_dir=state_dir)
         self.previous_mode: str | None = None
@@ -85,7 +87,7 @@ class Daemon:
             self.dataplane,
             min_sync_period=config.min_sync_period,
             sync_period=config.sync_period,
-            udp_cleaner=lambda ips, ports: cleanup_stale_udp(ips, ports),
+            udp_cleaner=self._clean_udp,
             observers=[self.metrics, self.health, StatusFile(self), LeftoverCleaner(self)],
         )
         self.admin = AdminServer(
@@ -112,6 +114,13 @@ class Daemon:
         self.admin.start()
         if self.config_watch is not None:
             self.config_watch.start()
+
+    def _clean_udp(self, ips: dict[tuple[str, int], set[str]], ports: dict[int, set[str]]) -> int:
+        # In userspace mode the workers move UDP sessions off removed endpoints themselves;
+        # the conntrack entries there are the redirects of live flows.
+        if self.dataplane.mode == "userspace":
+            return 0
+        return cleanup_stale_udp(ips, ports)
 
     def switch(self, to: str, timeout: float = 60.0) -> dict[str, object]:
         """Switch the running proxy to another mode (see kproxy.switch); returns the report."""
@@ -273,7 +282,9 @@ class LeftoverCleaner:
         d = self.daemon
         backend = getattr(d.dataplane, "backend", None)
         removed = clean_leftovers(
-            d.dataplane.mode, iptables_flavour=getattr(backend, "flavour", None)
+            d.dataplane.mode,
+            iptables_flavour=getattr(backend, "flavour", None),
+            state_dir=d.state_dir,
         )
         d.leftovers_removed = [str(o) for o in removed]
         log.info("removed %d leftovers of other proxy modes", len(removed))

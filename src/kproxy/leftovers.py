@@ -13,12 +13,15 @@ import logging
 import shutil
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
 from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
 from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError, in_netns
 from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
 from kproxy.dataplane.iptables.cleanup import iptables_mode_chain
+from kproxy.dataplane.userspace.proxier import clean_userspace_leftovers, userspace_chain
+from kproxy.defaults import DEFAULT_STATE_DIR
 
 log = logging.getLogger("kproxy.leftovers")
 
@@ -55,18 +58,25 @@ def clean_leftovers(
     iptables_flavour: str | None = None,
     netns: str | None = None,
     dry_run: bool = False,
+    state_dir: Path | None = None,
 ) -> list[OwnedObject]:
     """Every other mode's state, removed (or only listed with dry_run). Never raises for one
     failing piece: what could not be removed is logged and the rest still goes."""
     removed: list[OwnedObject] = []
     for flavour in ("nft", "legacy"):
-        keep = iptables_mode_chain if mode == "iptables" and flavour == iptables_flavour else None
+        keep = None
+        if flavour == iptables_flavour:
+            keep = {"iptables": iptables_mode_chain, "userspace": userspace_chain}.get(mode or "")
         try:
             removed += iptables_cleanup(
                 IptablesBackend(flavour, netns=netns), dry_run=dry_run, keep=keep
             )
         except IptablesError as err:
             log.warning("could not clean iptables-%s leftovers: %s", flavour, err)
+    if mode != "userspace":
+        removed += clean_userspace_leftovers(
+            state_dir or DEFAULT_STATE_DIR, netns=netns, dry_run=dry_run
+        )
     if mode != "nftables":
         removed += _nft_tables(netns, dry_run)
     if mode != "ipvs":

@@ -68,7 +68,7 @@ def plane_name(dp: Dataplane) -> str:
     """The dataplane's key in ops.snapshot.services()."""
     backend = getattr(dp, "backend", None)
     flavour = getattr(backend, "flavour", None)
-    return f"iptables-{flavour}" if dp.mode == "iptables" and flavour else dp.mode
+    return f"{dp.mode}-{flavour}" if dp.mode in ("iptables", "userspace") and flavour else dp.mode
 
 
 def expected_destinations(snapshot: Snapshot) -> set[ServiceKey]:
@@ -98,6 +98,13 @@ def probe(ip: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
         except OSError as err:
             return f"{ip}:{port}: {err.strerror or type(err).__name__}"
     return None
+
+
+def _release(dp: Dataplane) -> None:
+    """Let go of what a retired dataplane holds in this process (userspace's controller lock)."""
+    close = getattr(dp, "close", None)
+    if close is not None:
+        close()
 
 
 class ModeSwitcher:
@@ -229,6 +236,7 @@ class ModeSwitcher:
 
     def _remove(self, old: Dataplane, report: SwitchReport) -> str:
         removed = old.cleanup()
+        _release(old)
         report.removed = [str(o) for o in removed]
         return f"{len(removed)} objects of {old.mode} removed"
 
@@ -236,6 +244,7 @@ class ModeSwitcher:
         if new is not None:
             try:
                 new.cleanup()
+                _release(new)
             except Exception as err:  # keep rolling back; report it
                 log.error("could not remove the new mode's state: %s", err)
                 report.error = f"{report.error}; removing {new.mode}'s state also failed: {err}"

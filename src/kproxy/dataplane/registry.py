@@ -26,6 +26,7 @@ def create_dataplane(
     node_ips: tuple[str, ...] = (),
     iptables_backend_choice: str = "auto",
     state_dir: Path | None = None,
+    port_range: str = "",
 ) -> tuple[Dataplane, NodeFacts]:
     """The dataplane for `mode` in the current network namespace, and the facts it uses."""
     check_mode_available(mode)
@@ -44,4 +45,14 @@ def create_dataplane(
         NftablesDataplane.check()
         facts = detect_node_facts(node_ips=node_ips)
         return NftablesDataplane(facts, options, state_dir=state_dir), facts
+    if mode == "userspace":
+        from kproxy.dataplane.userspace.proxier import create_userspace_dataplane
+
+        return create_userspace_dataplane(
+            options=options,
+            node_ips=node_ips,
+            iptables_backend_choice=iptables_backend_choice,
+            state_dir=state_dir,
+            port_range=port_range,
+        )
     raise AssertionError(f"mode {mode!r} is listed as available ({AVAILABLE_MODES}) but not built")

@@ -30,13 +30,19 @@ _IPT_DEST = re.compile(r"-d ([0-9.]+)(?:/32)?\b")
 _IPT_DPORT = re.compile(r"--dport (\d+)")
 
 
-def _iptables_service(line: str) -> tuple[ServiceKey, str] | None:
-    if not line.startswith("-A KUBE-SERVICES "):
+def _iptables_service(line: str) -> tuple[str, ServiceKey, str] | None:
+    """(mode, destination, service) of a service rule: iptables mode's KUBE-SERVICES or
+    userspace mode's KUBE-PORTALS-CONTAINER (both modes may share one backend mid-switch)."""
+    if line.startswith("-A KUBE-SERVICES "):
+        mode = "iptables"
+    elif line.startswith("-A KUBE-PORTALS-CONTAINER "):
+        mode = "userspace"
+    else:
         return None
     c, p, d, n = (r.search(line) for r in (_IPT_COMMENT, _IPT_PROTO, _IPT_DEST, _IPT_DPORT))
     if not (c and p and d and n):
         return None
-    return ServiceKey(d[1], p[1], int(n[1])), c["name"]
+    return mode, ServiceKey(d[1], p[1], int(n[1])), c["name"]
 
 
 def _run(
@@ -99,13 +105,12 @@ def services(snap: dict[str, Any]) -> dict[str, dict[ServiceKey, str]]:
     out: dict[str, dict[ServiceKey, str]] = {}
     for backend in ("iptables-nft", "iptables-legacy"):
         text = snap.get(backend, {}).get("output", "")
-        found: dict[ServiceKey, str] = {}
+        flavour = backend.split("-", 1)[1]
         for line in text.splitlines():
             hit = _iptables_service(line)
             if hit:
-                found[hit[0]] = hit[1]
-        if found:
-            out[backend] = found
+                mode, key, name = hit
+                out.setdefault(f"{mode}-{flavour}", {})[key] = name
     nft = _nft_services(snap.get("nftables", {}).get("output", ""))
     if nft:
         out["nftables"] = nft

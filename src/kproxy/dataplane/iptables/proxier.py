@@ -257,14 +257,18 @@ class IptablesDataplane:
     # --- ownership and cleanup ---------------------------------------------------------------
 
     def owned(self) -> list[OwnedObject]:
-        from kproxy.dataplane.iptables.cleanup import owned_state
+        """iptables mode's chains in this backend (not other modes' chains, which may be
+        serving right now: a switch to userspace mode shares the backend)."""
+        from kproxy.dataplane.iptables.cleanup import iptables_mode_chain, owned_state
 
-        return owned_state(self.backend)
+        return owned_state(self.backend, keep=lambda chain: not iptables_mode_chain(chain))
 
     def cleanup(self, *, dry_run: bool = False) -> list[OwnedObject]:
-        from kproxy.dataplane.iptables.cleanup import cleanup
+        from kproxy.dataplane.iptables.cleanup import cleanup, iptables_mode_chain
 
-        return cleanup(self.backend, dry_run=dry_run)
+        return cleanup(
+            self.backend, dry_run=dry_run, keep=lambda chain: not iptables_mode_chain(chain)
+        )
 
 
 def _with_jumps(text: str, jump_lines: dict[str, list[str]]) -> str:

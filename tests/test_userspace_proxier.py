@@ -1,0 +1,194 @@
+"""UserspaceDataplane's sync sequence with a fake iptables and fake workers (no root)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kproxy.dataplane.base import SyncError
+from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.iptables.backend import IptablesBackend
+from kproxy.dataplane.userspace import control
+from kproxy.dataplane.userspace.control import ControlError, WorkerSet
+from kproxy.dataplane.userspace.proxier import UserspaceDataplane, saved_ports
+from kproxy.model.snapshot import snapshot_from_objects
+from tests.objects import endpoint, endpoint_slice, node, port, service
+
+FACTS = NodeFacts(node_ips=("10.100.0.1",), local_addresses=("10.100.0.1",))
+
+
+class FakeWorker:
+    def __init__(self, status: dict[str, Any]) -> None:
+        self.status = status
+
+
+class FakeWorkers:
+    """Records what the dataplane publishes; `errors` simulates a port another program holds."""
+
+    def __init__(self, events: list[tuple[str, Any]], tmp: Path) -> None:
+        self.events = events
+        self.count = 2
+        self.dir = tmp / "userspace"
+        self.dir.mkdir()
+        self.table_path = self.dir / "table.json"
+        self.generation = 0
+        self.bad_port: int | None = None
+
+    def acquire(self) -> None:
+        pass
+
+    def ensure(self) -> tuple[list[int], list[int]]:
+        return [0, 1], []
+
+    def read_table(self) -> None:
+        return None
+
+    def write_table(self, table: dict[str, Any]) -> int:
+        self.generation += 1
+        self.events.append(("table", sorted(lst["key"] for lst in table["listeners"])))
+        self.last = table
+        return self.generation
+
+    def wait_applied(self, generation: int, timeout: float) -> dict[int, FakeWorker]:
+        self.events.append(("applied", generation))
+        errors = {
+            lst["key"]: "taken" for lst in self.last["listeners"] if lst["port"] == self.bad_port
+        }
+        return {0: FakeWorker({"errors": errors}), 1: FakeWorker({"errors": {}})}
+
+    def workers(self) -> dict[int, Any]:
+        return {}
+
+
+def runner_for(events: list[tuple[str, Any]], fail_restore: list[bool]):
+    def run(argv: Sequence[str], data: str | None) -> subprocess.CompletedProcess[str]:
+        argv = list(argv)
+        if any(a.endswith("-restore") for a in argv):
+            events.append(("restore", data))
+            if fail_restore and fail_restore.pop(0):
+                return subprocess.CompletedProcess(argv, 1, "", "line 3 failed")
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        if "-C" in argv:
+            return subprocess.CompletedProcess(argv, 1, "", "")  # every jump is missing
+        if argv[:1] == ["iptables-nft"] and "--version" in argv:
+            return subprocess.CompletedProcess(argv, 0, "iptables v1.8.9 (nf_tables)", "")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    return run
+
+
+def make(tmp_path: Path, fail_restore: list[bool] | None = None):
+    events: list[tuple[str, Any]] = []
+    backend = IptablesBackend("nft", runner=runner_for(events, fail_restore or []))
+    dp = UserspaceDataplane(backend, FACTS, RuleOptions(), state_dir=tmp_path, workers=2)
+    dp.workers = FakeWorkers(events, tmp_path)  # type: ignore[assignment]
+    dp._ensure_policy_route = lambda: None  # type: ignore[method-assign]
+    return dp, events
+
+
+def snap(*names: str):
+    objs: list[dict[str, Any]] = [node()]
+    for i, name in enumerate(names):
+        objs += [
+            service(name, f"10.96.0.{10 + i}", [port("http", 80, 8080)]),
+            endpoint_slice(name, [endpoint("10.244.0.2")], [port("http", 8080)]),
+        ]
+    return snapshot_from_objects(objs, "node1")
+
+
+def kinds(events: list[tuple[str, Any]]) -> list[Any]:
+    return [e if e[0] != "restore" else ("restore",) for e in events]
+
+
+def test_listeners_are_up_before_their_rules_and_retired_only_after(tmp_path: Path) -> None:
+    dp, events = make(tmp_path)
+    dp.sync(snap("web"), full=True)
+    web, api = "default/web:http/tcp/cluster", "default/api:http/tcp/cluster"
+    assert kinds(events) == [("table", [web]), ("applied", 1), ("restore",)]
+    restore = events[2][1]
+    assert "-I PREROUTING" in restore and "-A PREROUTING -m addrtype" in restore
+    events.clear()
+    dp.sync(snap("web", "api"), full=False)
+    assert kinds(events) == [("table", [api, web]), ("applied", 2), ("restore",)]
+    assert "-I PREROUTING" not in events[2][1]  # jumps are only checked on full syncs
+    events.clear()
+    dp.sync(snap("api"), full=False)
+    # web's listener is kept while its rule still exists, dropped after the restore.
+    assert kinds(events) == [("table", [api, web]), ("applied", 3), ("restore",), ("table", [api])]
+    events.clear()
+    dp.sync(snap("api"), full=False)
+    assert events == []  # nothing changed: no table, no restore
+
+
+def test_a_port_taken_by_another_program_moves_in_the_same_sync(tmp_path: Path) -> None:
+    dp, _ = make(tmp_path)
+    first = dp._publish(snap("web"), force=True).ports["default/web:http/tcp/cluster"]
+    (tmp_path / "b").mkdir()
+    dp2, events2 = make(tmp_path / "b")
+    dp2.workers.bad_port = first  # type: ignore[attr-defined]
+    dp2.sync(snap("web"), full=True)
+    moved = dp2.last_plan.ports["default/web:http/tcp/cluster"]  # type: ignore[union-attr]
+    assert moved != first
+    assert [e[0] for e in events2] == ["table", "applied", "table", "applied", "restore"]
+    assert first in dp2._bad_ports
+
+
+def test_a_failed_restore_keeps_the_input_and_forces_a_full_sync(tmp_path: Path) -> None:
+    dp, events = make(tmp_path, fail_restore=[True])
+    with pytest.raises(SyncError, match="restore failed") as err:
+        dp.sync(snap("web"), full=False)
+    assert err.value.kept_input and "KUBE-PORTALS-CONTAINER" in err.value.kept_input
+    assert (tmp_path / "userspace" / "failed-restore.txt").read_text() == err.value.kept_input
+    events.clear()
+    dp.sync(snap("web"), full=False)  # still treated as full: jumps checked again
+    assert "-I PREROUTING" in events[-1][1]
+
+
+def test_ports_survive_a_controller_restart(tmp_path: Path) -> None:
+    dp, _ = make(tmp_path)
+    dp.sync(snap("web", "api", "dns"), full=True)
+    ports = dp.last_plan.ports  # type: ignore[union-attr]
+    backend = IptablesBackend("nft", runner=runner_for([], []))
+    again = UserspaceDataplane(backend, FACTS, RuleOptions(), state_dir=tmp_path, workers=2)
+    assert again._ports == ports
+    assert saved_ports(tmp_path) == ports
+
+
+def test_table_generations_continue_across_controllers_and_the_lock_is_exclusive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(WorkerSet, "notify", lambda self: None)
+    one = WorkerSet(tmp_path, count=2)
+    one.acquire()
+    assert one.write_table({"listeners": []}) == 1
+    assert one.write_table({"listeners": []}) == 2
+    other = WorkerSet(tmp_path, count=2)
+    with pytest.raises(ControlError, match="another kproxy controller"):
+        other.acquire(timeout=0.2)
+    one.release()
+    other.acquire(timeout=0.2)
+    assert other.write_table({"listeners": []}) == 3
+    table = control.read_json(tmp_path / "userspace" / "table.json")
+    assert table["generation"] == 3 and table["workers"] == 2
+    other.release()
+
+
+def test_a_status_file_of_a_foreign_process_is_not_adopted(tmp_path: Path) -> None:
+    import os
+
+    ws = WorkerSet(tmp_path, count=1)
+    ws.dir.mkdir(parents=True)
+    # This test process is alive, but it is not a worker of this folder.
+    control.write_json_atomic(
+        ws.status_path(0),
+        {
+            "index": 0,
+            "pid": os.getpid(),
+            "starttime": control.proc_starttime(os.getpid()),
+        },
+    )
+    assert ws.workers() == {}
