@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from kproxy.dataplane.iptables.backend import (
 from kproxy.dataplane.iptables.render import (
     JUMPS,
     KUBELET_FIREWALL_JUMPS,
+    NAT_TOP_CHAINS,
     IptablesPlan,
     IptablesRenderer,
     jump_rule,
@@ -42,6 +44,8 @@ log = logging.getLogger("kproxy.iptables")
 
 # Services per piece when a large full sync is split (nft backend only).
 PIECE_SERVICES = 250
+# nat chains whose rules do not depend on services (written whole in a fresh node's piece 0).
+FIXED_NAT_CHAINS = ("KUBE-POSTROUTING", "KUBE-MARK-MASQ")
 CANARY_CHAIN = "KUBE-PROXY-CANARY"
 SPLIT_THRESHOLD = 500
 
@@ -81,8 +85,11 @@ class IptablesDataplane:
         applied = self._applied
         if applied is None:
             full = True
+        missing_top: list[str] = []
         if full:
-            existing = {c for c in self.backend.chains("nat") if names.is_service_chain(c)}
+            nat_chains = self.backend.chains("nat")
+            existing = {c for c in nat_chains if names.is_service_chain(c)}
+            missing_top = [c for c in NAT_TOP_CHAINS if c not in nat_chains]
             rewrite = None
         else:
             assert applied is not None
@@ -101,7 +108,9 @@ class IptablesDataplane:
             # The canary: an empty chain whose disappearance means someone flushed the table
             # under us (a firewall reload); upstream creates the same chain for the same reason.
             jumps.append(("nat", f":{CANARY_CHAIN} - [0:0]"))
-        pieces = self._pieces(plan, include_filter, include_nat_top, jumps, split=full)
+        pieces = self._pieces(
+            plan, include_filter, include_nat_top, jumps, split=full, missing_top=missing_top
+        )
         for i, data in enumerate(pieces):
             try:
                 self.backend.restore(data)
@@ -143,6 +152,7 @@ class IptablesDataplane:
         jumps: list[tuple[str, str]],
         *,
         split: bool,
+        missing_top: Sequence[str] = (),
     ) -> list[str]:
         jump_lines = {
             "filter": [j for t, j in jumps if t == "filter"],
@@ -160,6 +170,17 @@ class IptablesDataplane:
             )
             return [text] if text else []
         pieces: list[str] = []
+        if missing_top:
+            # A fresh node: service chains jump to KUBE-MARK-MASQ, so the top-level nat
+            # chains must exist before the first piece. Nothing jumps to them yet, so
+            # creating them (with their fixed rules) changes no traffic.
+            first = ["*nat", *(f":{c} - [0:0]" for c in missing_top)]
+            first += [
+                r
+                for r in plan.nat_top_rules
+                if r.split(" ", 2)[1] in missing_top and r.split(" ", 2)[1] in FIXED_NAT_CHAINS
+            ]
+            pieces.append("\n".join([*first, "COMMIT"]) + "\n")
         step = self.piece_services
         for i in range(0, len(plan.blocks), step):
             pieces.append(

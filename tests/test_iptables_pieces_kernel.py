@@ -1,0 +1,58 @@
+"""A large full sync on the nft backend, loaded in pieces, into a fresh and a live node."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.iptables.backend import IptablesBackend
+from kproxy.dataplane.iptables.proxier import SPLIT_THRESHOLD, IptablesDataplane
+from kproxy.model.snapshot import snapshot_from_objects
+from tests.objects import endpoint, endpoint_slice, port, service
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"kpp-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+def objects(n: int, first_ep: int = 2) -> list[dict]:
+    out = []
+    for i in range(n):
+        out.append(service(f"s{i}", f"10.96.{i // 250}.{i % 250 + 1}", [port("http", 80, 8080)]))
+        out.append(
+            endpoint_slice(
+                f"s{i}",
+                [endpoint(f"10.244.{i // 250}.{first_ep + j}") for j in range(2)],
+                [port("http", 8080)],
+            )
+        )
+    return out
+
+
+def test_pieces_load_into_a_fresh_node_then_resync_and_change(netns: str) -> None:
+    n = SPLIT_THRESHOLD + 100
+    backend = IptablesBackend("nft", netns=netns)
+    plane = IptablesDataplane(
+        backend, NodeFacts(node_ips=("10.100.0.1",)), RuleOptions(cluster_cidrs=("10.244.0.0/16",))
+    )
+    result = plane.sync(snapshot_from_objects(objects(n), "node1"), full=True)
+    assert result.pieces > 2
+    nat = backend.save("nat")
+    assert nat.count("-A KUBE-SERVICES ") == n + 1
+    assert "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000" in nat
+    # A full resync over the live table, with every endpoint changed: stale chains go.
+    result = plane.sync(snapshot_from_objects(objects(n, first_ep=100), "node1"), full=True)
+    assert result.stale_removed == 2 * n
+    assert backend.save("nat").count(":KUBE-SEP-") == 2 * n
