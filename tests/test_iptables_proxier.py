@@ -176,13 +176,20 @@ def test_large_full_sync_on_nft_is_loaded_in_ordered_pieces(tmp_path: Path) -> N
     objects = [o for i in range(600) for o in svc(i, eps=1)]
     t = tracker_with(*objects)
     result = plane.sync(t.snapshot(), full=True)
-    assert result.pieces == 7
+    # A fresh node: piece 0 creates the fixed top-level nat chains service chains jump to,
+    # then 6 pieces of service chains, then the top-level chains.
+    assert result.pieces == 8
     pieces = backend.restores
-    # Service chains first (nat only, no top-level chain touched), top-level chains last.
-    for piece in pieces[:-1]:
+    assert ":KUBE-MARK-MASQ - [0:0]" in pieces[0] and ":KUBE-SVC-" not in pieces[0]
+    assert "-A KUBE-SERVICES" not in pieces[0]
+    # Service chains next (nat only, no top-level chain touched), top-level chains last.
+    for piece in pieces[1:-1]:
         assert "*filter" not in piece and ":KUBE-SERVICES " not in piece
     assert ":KUBE-SERVICES - [0:0]" in pieces[-1] and "*filter" in pieces[-1]
     assert sum(p.count(":KUBE-SVC-") for p in pieces) == 600
+    # On a live node (the chains exist) there is no piece 0.
+    backend.restores.clear()
+    assert plane.sync(t.snapshot(), full=True).pieces == 7
     # A legacy backend rewrites the whole table per restore anyway: one piece there.
     legacy = FakeBackend("legacy")
     plane2 = IptablesDataplane(legacy, NodeFacts(), RuleOptions(), piece_services=100)  # type: ignore[arg-type]
