@@ -1,7 +1,7 @@
 """Live switch duration (command start to old state gone) per mode pair, under load.
 
-kproxy runs on a lab node with N services (10 unreachable endpoints each, plus one real
-service the load goes to); `kproxy switch` is timed from the command line while fresh and
+kproxy runs on a lab node with N services (each with the lab's 10 pods as endpoints, plus
+one more the load goes to); `kproxy switch` is timed from the command line while fresh and
 long-lived connections run; failures are counted.
 
     .venv/bin/python -m bench.switch_bench [--sizes 1000,10000] [--pairs iptables:nftables,...]
@@ -48,10 +48,7 @@ def write_objects(folder: Path, n: int, pods: list[str]) -> None:
                 },
             }
         )
-        eps = [
-            f"10.{200 + (i * 10 + j) // 65536}.{((i * 10 + j) // 256) % 256}.{(i * 10 + j) % 256}"
-            for j in range(10)
-        ]
+        eps = pods  # every service is served by the lab's pods (the switch self-probes them)
         docs.append(
             {
                 "apiVersion": "discovery.k8s.io/v1",
@@ -99,7 +96,7 @@ def write_objects(folder: Path, n: int, pods: list[str]) -> None:
 
 def run_pair(n: int, first: str, second: str) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
-    with Lab(pods=3, clients=2) as lab, tempfile.TemporaryDirectory() as tmp:
+    with Lab(pods=10, clients=2) as lab, tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         write_objects(work / "objects", n, list(lab.pod_ips.values()))
         cfg = work / "config.yaml"

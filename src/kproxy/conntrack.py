@@ -346,6 +346,24 @@ def cleanup_stale_udp(
     return deleted
 
 
+def delete_unreplied_syn_to(
+    dst_ips: set[str], netns: str | None = None, *, conntrack: Conntrack | None = None
+) -> int:
+    """delete_unreplied_syn for many VIPs with one listing and one batch (a failed mode
+    switch clears every service IP at once)."""
+    ct = conntrack or Conntrack(netns)
+    stale = {
+        (e.orig_src, e.orig_sport, e.orig_dst, e.orig_dport)
+        for e in ct.list_entries("tcp")
+        if e.state == "SYN_SENT" and e.orig_dst in dst_ips
+    }
+    filters = [
+        DeleteFilter("tcp", orig_src=s, orig_sport=sp, orig_dst=d, orig_dport=dp, state="SYN_SENT")
+        for s, sp, d, dp in sorted(stale, key=str)
+    ]
+    return ct.delete_many(filters) if filters else 0
+
+
 def delete_unreplied_syn(
     dst_ip: str, netns: str | None = None, *, conntrack: Conntrack | None = None
 ) -> int:

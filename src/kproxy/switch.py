@@ -23,10 +23,11 @@ import random
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kproxy.conntrack import delete_unreplied_syn
+from kproxy.conntrack import delete_unreplied_syn_to
 from kproxy.dataplane.anchor import ConntrackAnchor
 from kproxy.dataplane.base import VALID_MODES, Dataplane, DataplaneUnavailable, SyncError
 from kproxy.model.objects import Protocol, Snapshot
@@ -222,7 +223,9 @@ class ModeSwitcher:
         sample = random.Random(len(candidates)).sample(
             candidates, min(PROBE_SAMPLE, len(candidates))
         )
-        failures = [why for ip, port in sample if (why := self.prober(ip, port)) is not None]
+        with ThreadPoolExecutor(max_workers=PROBE_SAMPLE) as pool:
+            answers = list(pool.map(lambda target: self.prober(*target), sample))
+        failures = [why for why in answers if why is not None]
         if failures:
             raise SwitchFailed(
                 f"self-probe failed for {len(failures)} of {len(sample)} services: "
@@ -249,12 +252,15 @@ class ModeSwitcher:
                 log.error("could not remove the new mode's state: %s", err)
                 report.error = f"{report.error}; removing {new.mode}'s state also failed: {err}"
         cleared = 0
-        for ip in sorted({sp.cluster_ip for sp in snapshot.services.values()}):
-            try:
-                cleared += delete_unreplied_syn(ip)
-            except Exception as err:
-                log.warning("could not clear half-open entries to %s: %s", ip, err)
-                break
+        vips = {
+            ip
+            for sp in snapshot.services.values()
+            for ip in (sp.cluster_ip, *sp.external_ips, *sp.load_balancer_ips)
+        }
+        try:
+            cleared = delete_unreplied_syn_to(vips)
+        except Exception as err:
+            log.warning("could not clear half-open conntrack entries: %s", err)
         report.steps.append(
             Step(
                 "roll-back", 0.0, f"new mode removed; {cleared} half-open conntrack entries cleared"
