@@ -497,3 +497,19 @@ def rules(env: Env) -> list[str]:
     tool = f"iptables-{env.backend}-save"
     out = env.lab.exec(env.lab.node_ns, [tool]).stdout
     return [line for line in out.splitlines() if "KUBE-" in line and not line.startswith("#")]
+
+
+def test_list_and_trace_commands_read_the_kernel(env: Env) -> None:
+    if env.mode == "userspace":
+        pytest.skip("no userspace reader for list/trace yet (issue: observability)")
+    web(env, pods=(POD_IPS[0],))
+    env.proxy.start()
+    cli = [sys.executable, "-m", "kproxy.cli"]
+    listing = env.lab.exec(env.lab.node_ns, [*cli, "list", "--json"]).stdout
+    assert "10.96.0.10" in listing and "10.244.0.2" in listing
+    traced = env.lab.exec(
+        env.lab.node_ns, [*cli, "trace", "--from", env.lab.client_ips[0], "--to", "10.96.0.10:80"]
+    ).stdout
+    assert "10.244.0.2:8080" in traced
+    answered = env.client().request(proto="tcp", dst="10.96.0.10", port=80)
+    assert answered.pod == "pod1"

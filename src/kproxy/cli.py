@@ -23,6 +23,7 @@ from kproxy.dataplane.base import DataplaneUnavailable, check_mode_available
 from kproxy.dataplane.facts import NodeFacts
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.lab.cli import lab_app
+from kproxy.model.objects import Snapshot
 
 app = typer.Typer(
     help="kproxy: a Kubernetes service proxy compatible with kube-proxy, with safe live "
@@ -606,6 +607,105 @@ def switch(
         err=True,
     )
     raise typer.Exit(1)
+
+
+# --- list and trace ------------------------------------------------------------------------------
+
+InspectModeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--mode",
+        help="Which dataplane to read when two are live (mid-switch): "
+        "iptables, iptables-nft, iptables-legacy or nftables.",
+    ),
+]
+DriftSourceOpt = Annotated[
+    Path | None,
+    typer.Option("--source", help="Objects to compare the kernel with (reports drift)."),
+]
+
+
+def _drift_snapshot(source: Path | None, hostname: str | None) -> Snapshot | None:
+    if source is None:
+        return None
+    import socket
+
+    from kproxy.model.snapshot import snapshot_from_objects
+    from kproxy.sources.files import load_path
+
+    try:
+        objects, _ = load_path(source)
+    except FileNotFoundError:
+        raise UserError(f"source not found: {source}") from None
+    return snapshot_from_objects(objects.values(), (hostname or socket.gethostname()).lower())
+
+
+@app.command("list")
+def list_command(
+    stats: Annotated[
+        bool, typer.Option("--stats", help="Packet/byte counters per endpoint.")
+    ] = False,
+    rate: Annotated[
+        bool, typer.Option("--rate", help="Per-second rates (two reads 1 s apart).")
+    ] = False,
+    sort: Annotated[
+        bool, typer.Option("--sort", help="Sort by protocol, address and port.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    mode: InspectModeOpt = None,
+    source: DriftSourceOpt = None,
+    hostname: HostOpt = None,
+) -> None:
+    """The services the kernel programs now, in the `ipvsadm -Ln` layout: each virtual
+    address with its scheduler and flags, each endpoint with ActiveConn / InActConn from
+    conntrack. Read from the kernel, so it shows what is really there."""
+    from kproxy.ops.inspect import ModeSelectionError, list_services
+
+    try:
+        result = list_services(
+            mode=mode, stats=stats, rate=rate, sort=sort, snapshot=_drift_snapshot(source, hostname)
+        )
+    except (ModeSelectionError, UserError) as err:
+        raise fail(str(err)) from None
+    typer.echo(result.to_json() if as_json else result.text())
+
+
+@app.command("trace")
+def trace_command(
+    src: Annotated[str, typer.Option("--from", help="Source IP of the new connection.")],
+    to: Annotated[str, typer.Option("--to", help="Destination IP:PORT.")],
+    proto: Annotated[str, typer.Option("--proto", help="tcp or udp.")] = "tcp",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    mode: InspectModeOpt = None,
+    from_node: Annotated[
+        bool | None,
+        typer.Option(
+            "--from-node/--not-from-node", help="Default: decided from the node's addresses."
+        ),
+    ] = None,
+    source: DriftSourceOpt = None,
+    hostname: HostOpt = None,
+) -> None:
+    """Where a new connection goes and why: the chain and rule path (iptables), the
+    map and chain path (nftables), computed from the rules read back from the kernel."""
+    from kproxy.ops.inspect import ModeSelectionError, trace
+
+    ip, sep, port_text = to.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise fail(f"--to: {to!r} is not IP:PORT")
+    try:
+        result = trace(
+            src,
+            ip,
+            int(port_text),
+            proto,
+            mode=mode,
+            from_node=from_node,
+            snapshot=_drift_snapshot(source, hostname),
+        )
+    except (ModeSelectionError, ValueError, UserError) as err:
+        raise fail(str(err)) from None
+    typer.echo(result.to_json() if as_json else result.text())
 
 
 # --- snapshot and diff ---------------------------------------------------------------------------

@@ -1,0 +1,225 @@
+"""Where the readers get the kernel's state: live (read-only commands in a netns) or recorded.
+
+Everything here only reads: `iptables-<flavour>-save -c` (a full save, never `-t`, which
+for legacy would create the table), `nft -j list table ip kube-proxy`, `ip -j addr`,
+`conntrack -L -o extended`, /proc/net/xt_recent/<list> and /proc/timer_list. Results are
+cached per source; refresh() forgets them (for the second read of `--rate`).
+
+RecordedSource holds the same dumps as text, so unit tests (and offline analysis of dumps
+collected from a node) run the very code a live `kproxy list` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from kproxy.conntrack import Conntrack, ConntrackEntry, ConntrackError, parse_entries
+from kproxy.dataplane.iptables.backend import Runner, in_netns, run_command
+
+NFT_TABLE: Final = ("ip", "kube-proxy")
+_RECENT_NAME: Final = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_RECENT_LINE: Final = re.compile(r"src=(\S+).*?last_seen: (\d+)")
+# 64-bit kernels start jiffies at 2^32 - 300 s worth of ticks (INITIAL_JIFFIES).
+_JIFFIES_BASE: Final = 1 << 32
+_KNOWN_HZ: Final = (100, 250, 300, 1000)
+
+
+class KernelSource:
+    """Read-only access to one network namespace's dataplane (None: our own namespace)."""
+
+    def __init__(self, netns: str | None = None, *, runner: Runner | None = None) -> None:
+        self.netns = netns
+        self._runner: Runner = runner or run_command
+        self._cache: dict[str, Any] = {}
+        self.errors: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"KernelSource(netns={self.netns!r})"
+
+    @property
+    def recorded(self) -> bool:
+        return False
+
+    def refresh(self) -> None:
+        self._cache.clear()
+        self.errors.clear()
+
+    def _cached(self, key: str, argv: list[str]) -> str | None:
+        if key not in self._cache:
+            proc = self._runner(in_netns(argv, self.netns), None)
+            if proc.returncode == 0:
+                self._cache[key] = proc.stdout
+            else:
+                self._cache[key] = None
+                self.errors[key] = (proc.stderr or "").strip() or f"exit code {proc.returncode}"
+        value = self._cache[key]
+        return value if isinstance(value, str) else None
+
+    def command(self, what: str) -> str:
+        """The command a dump comes from (for "read from …" lines)."""
+        return {
+            "iptables-nft": "iptables-nft-save -c",
+            "iptables-legacy": "iptables-legacy-save -c",
+            "nftables": "nft -j list table ip kube-proxy",
+            "conntrack": "conntrack -L -o extended",
+        }.get(what, what)
+
+    # -- dumps -------------------------------------------------------------------------------
+
+    def iptables_save(self, flavour: str) -> str | None:
+        """Full `iptables-<flavour>-save -c` (None: the tool is missing or failed)."""
+        return self._cached(f"iptables-{flavour}", [f"iptables-{flavour}-save", "-c"])
+
+    def nft_table(self) -> str | None:
+        """`nft -j list table ip kube-proxy` (None: no such table, or no nft)."""
+        return self._cached("nftables", ["nft", "-j", "list", "table", *NFT_TABLE])
+
+    def ip_addr(self) -> str | None:
+        return self._cached("ip-addr", ["ip", "-j", "addr", "show"])
+
+    def conntrack_entries(self) -> list[ConntrackEntry] | None:
+        if "conntrack" not in self._cache:
+            try:
+                self._cache["conntrack"] = Conntrack(self.netns, runner=self._runner).list_entries(
+                    None
+                )
+            except ConntrackError as err:
+                self._cache["conntrack"] = None
+                self.errors["conntrack"] = str(err)
+        value = self._cache["conntrack"]
+        return value if isinstance(value, list) else None
+
+    def xt_recent(self, name: str) -> str | None:
+        """/proc/net/xt_recent/NAME: the addresses an `-m recent` list remembers."""
+        if not _RECENT_NAME.match(name):
+            return None
+        return self._cached(f"recent:{name}", ["cat", f"/proc/net/xt_recent/{name}"])
+
+    def timer_list(self) -> str | None:
+        return self._cached("timer_list", ["cat", "/proc/timer_list"])
+
+    # -- derived -----------------------------------------------------------------------------
+
+    def local_addresses(self) -> list[str] | None:
+        """Every address on the node's interfaces (None: unreadable)."""
+        text = self.ip_addr()
+        if text is None:
+            return None
+        return parse_ip_addr(text)
+
+    def jiffies(self) -> tuple[int, int] | None:
+        """(jiffies now, HZ) for ageing xt_recent entries; None when not derivable."""
+        text = self.timer_list()
+        return parse_timer_list(text) if text is not None else None
+
+
+class RecordedSource(KernelSource):
+    """Dumps given as text (recorded from a node, or built by a test)."""
+
+    def __init__(
+        self,
+        *,
+        iptables: Mapping[str, str] | None = None,
+        nft: str | None = None,
+        ip_addr: str | None = None,
+        local_addresses: Iterable[str] | None = None,
+        conntrack: str | None = None,
+        recent: Mapping[str, str] | None = None,
+        timer_list: str | None = None,
+    ) -> None:
+        super().__init__(None)
+        self._iptables = dict(iptables or {})
+        self._nft = nft
+        self._ip_addr = ip_addr
+        self._local = list(local_addresses) if local_addresses is not None else None
+        self._conntrack = conntrack
+        self._recent = dict(recent) if recent is not None else None
+        self._timer_list = timer_list
+
+    def __repr__(self) -> str:
+        return "RecordedSource()"
+
+    @property
+    def recorded(self) -> bool:
+        return True
+
+    def command(self, what: str) -> str:
+        return f"a recorded {super().command(what)}"
+
+    def iptables_save(self, flavour: str) -> str | None:
+        return self._iptables.get(flavour)
+
+    def nft_table(self) -> str | None:
+        return self._nft
+
+    def ip_addr(self) -> str | None:
+        return self._ip_addr
+
+    def local_addresses(self) -> list[str] | None:
+        if self._local is not None:
+            return list(self._local)
+        return super().local_addresses()
+
+    def conntrack_entries(self) -> list[ConntrackEntry] | None:
+        return parse_entries(self._conntrack) if self._conntrack is not None else None
+
+    def xt_recent(self, name: str) -> str | None:
+        if self._recent is None:
+            return None
+        return self._recent.get(name, "")
+
+    def timer_list(self) -> str | None:
+        return self._timer_list
+
+
+# --- pure parsers ----------------------------------------------------------------------------
+
+
+def parse_ip_addr(text: str) -> list[str]:
+    """The addresses of `ip -j addr` (both families, interface order, de-duplicated)."""
+    try:
+        links = json.loads(text or "[]")
+    except ValueError:
+        return []
+    out: list[str] = []
+    for link in links if isinstance(links, list) else []:
+        for info in link.get("addr_info", []) if isinstance(link, dict) else []:
+            local = info.get("local")
+            if isinstance(local, str) and local not in out:
+                out.append(local)
+    return out
+
+
+def parse_recent(text: str) -> dict[str, int]:
+    """xt_recent list -> {source address: last_seen in jiffies}."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        m = _RECENT_LINE.search(line)
+        if m:
+            out[m.group(1)] = int(m.group(2))
+    return out
+
+
+def parse_timer_list(text: str) -> tuple[int, int] | None:
+    """(jiffies, HZ) from /proc/timer_list.
+
+    HZ is derived from one read: on 64-bit kernels jiffies started at 2^32 - 300·HZ, so
+    HZ = (jiffies - 2^32) / (uptime - 300 s), with uptime from "now at … nsecs" (rounded to
+    the nearest common HZ). None when the numbers do not fit (32-bit, very young node).
+    """
+    jm = re.search(r"^jiffies: (\d+)", text, re.MULTILINE)
+    nm = re.search(r"^now at (\d+) nsecs", text, re.MULTILINE)
+    if jm is None or nm is None:
+        return None
+    jiffies = int(jm.group(1))
+    uptime = int(nm.group(1)) / 1e9
+    if uptime <= 330 or jiffies <= _JIFFIES_BASE:
+        return None
+    estimate = (jiffies - _JIFFIES_BASE) / (uptime - 300)
+    hz = min(_KNOWN_HZ, key=lambda h: abs(h - estimate))
+    if abs(hz - estimate) > hz * 0.05:
+        return None
+    return jiffies, hz
