@@ -2,7 +2,8 @@
 
 A lab (node, three pods, two clients) is built from network namespaces; kproxy runs on the
 node in iptables mode from examples/demo; traffic goes through a ClusterIP, a NodePort, an
-externalIP and a UDP service; a service is edited live; everything is torn down.
+externalIP and a UDP service; a service is edited live; kproxy switches to nftables mode
+under traffic; it is killed and traffic keeps flowing; everything is torn down.
 """
 
 from __future__ import annotations
@@ -128,7 +129,38 @@ def run_demo(*, keep: bool = False) -> int:
             ):
                 console.print(f"  {line}", soft_wrap=True)
 
-        console.rule("[bold]6. kill -9 kproxy: the rules stay, traffic keeps flowing")
+        console.rule("[bold]6. Live switch to nftables mode while traffic flows")
+        from kproxy.lab.load import LoadHarness
+        from kproxy.server.admin import SOCKET_NAME, call
+
+        load = LoadHarness(lab, tcp=("10.96.0.10", 80), udp=("10.96.0.53", 53), streams=3).start()
+        time.sleep(0.3)
+        report = call(
+            proxy.state_dir / SOCKET_NAME, {"op": "switch", "to": "nftables", "timeout": 60}
+        )
+        time.sleep(0.3)
+        result = load.stop()
+        for st in report.get("steps", []):
+            detail = (
+                st["detail"] if not st["name"].startswith("snapshot") else "kept in the state dir"
+            )
+            console.print(f"  {st['name']:<15} {st['seconds']:7.3f} s  [dim]{detail}[/dim]")
+        if not report.get("ok") or result.failures:
+            failures += 1
+        console.print(
+            f"switched iptables -> nftables in {report.get('duration', 0):.2f} s: "
+            + result.summary()
+        )
+        nft = lab.exec(
+            lab.node_ns, ["nft", "list", "map", "ip", "kube-proxy", "service-ips"]
+        ).stdout
+        console.print(
+            "  [dim]nft service-ips map: "
+            + " ".join(line.strip() for line in nft.splitlines() if "goto" in line)[:300]
+            + "[/dim]"
+        )
+
+        console.rule("[bold]7. kill -9 kproxy: the rules stay, traffic keeps flowing")
         proxy.kill()
         results = client.request_many(proto="tcp", dst="10.96.0.10", port=80, count=6, timeout=1.0)
         failures += sum(1 for r in results if not r.ok)
