@@ -15,6 +15,8 @@ stage, plus the biggest allocation sites still alive at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import json
 import subprocess
@@ -38,6 +40,11 @@ def _hwm_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def _malloc_trim() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _fake_runner(argv: Sequence[str], input_data: str | None
@@ -69,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     mark("interpreter")
     # What `kproxy run` imports (cli pulls in typer/rich; the daemon the rest).
     import kproxy.cli  # noqa: F401
+    from bench import workload
     from kproxy.config import load_config, rule_options
     from kproxy.daemon import Daemon  # noqa: F401
     from kproxy.dataplane.iptables.backend import IptablesBackend
@@ -76,8 +84,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     from kproxy.model.snapshot import ChangeTracker
     from kproxy.sources.base import ObjectEvent
     from kproxy.sources.files import FileSource
-
-    from bench import workload
 
     if args.trace:
         tracemalloc.start(1)
@@ -101,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     mark("+ full sync (renderer cache, applied state, last plan)")
     dp.last_plan = None
     mark("- last plan dropped")
+    _malloc_trim()
+    mark("after malloc_trim(0) (freed heap returned to the OS)")
 
     top: list[dict[str, Any]] = []
     if args.trace:

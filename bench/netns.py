@@ -37,9 +37,10 @@ def create() -> str:
 
 
 def delete(name: str) -> None:
-    """Delete a namespace this module created (its tables are freed by the kernel later)."""
+    """Delete a namespace this module created (its tables are freed by the kernel later).
+    Names it did not create (or already deleted) are left alone."""
     if name not in _created:
-        raise ValueError(f"{name} was not created by the bench")
+        return
     subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True, check=False)
     _created.discard(name)
 

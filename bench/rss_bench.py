@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from bench.fixes import BUG1_MESSAGE
 
 FIRST_SYNC_TIMEOUT = 600.0
 STEADY_WAIT = 5.0
+_FIRST_FULL_RE = re.compile(r"kproxy\.sync: full sync: .* ([\d.]+) s$", re.MULTILINE)
 
 
 @dataclass
@@ -33,7 +35,7 @@ class RssFigures:
     hwm_mb: float = 0.0  # VmHWM (peak RSS) right after the first sync
     steady_rss_mb: float = 0.0  # VmRSS STEADY_WAIT seconds later
     first_sync_s: float = 0.0  # process start -> status.json reports the first sync
-    sync_duration_s: float = 0.0  # the first sync itself, as kproxy reports it
+    sync_duration_s: float = 0.0  # the first (full) sync itself, as kproxy logs it
     idle_cpu_pct: float = 0.0  # CPU of the idle process (polling), % of one core
     workaround: str = ""
     problem: str = ""
@@ -112,11 +114,12 @@ def _run_once(fig: RssFigures, source: Path, config: Path, workdir: Path, *, pre
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         try:
-            st = _wait_first_sync(proc, state / "status.json", logfile)
+            _wait_first_sync(proc, state / "status.json", logfile)
             fig.first_sync_s = time.monotonic() - t0
             mem = _proc_status(proc.pid)
             fig.rss_mb, fig.hwm_mb = mem["VmRSS"], mem["VmHWM"]
-            fig.sync_duration_s = float(st.get("last_duration") or 0.0)  # type: ignore[arg-type]
+            found = _FIRST_FULL_RE.search(logfile.read_text(errors="replace"))
+            fig.sync_duration_s = float(found.group(1)) if found else 0.0
             cpu0 = _cpu_seconds(proc.pid)
             time.sleep(STEADY_WAIT)
             fig.idle_cpu_pct = 100 * (_cpu_seconds(proc.pid) - cpu0) / STEADY_WAIT

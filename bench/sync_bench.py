@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bench import netns, workload
+from bench.contention import Meter
 from bench.fixes import BUG1_MESSAGE, MarkMasqFirstDataplane
 from bench.stats import ONCE_ABOVE, Stat
 from kproxy.dataplane.base import SyncError
@@ -36,7 +37,9 @@ from kproxy.model.snapshot import ChangeTracker
 
 GIANT_MAX = 5000  # one-restore nft loads above this take ~10 min (lab §2.2): not run
 GIANT_REPEAT_MAX = 2000  # above this the one-restore nft load is run once
+GIANT_TIMEOUT = 180.0  # s: a one-restore load still running then is stopped and reported so
 KINDS = ("initial", "resync", "partial")
+PARTIALS = 3  # one-service partial syncs per repeat, each a different service
 PARTS = ("plan", "save", "check", "restore", "other")
 
 
@@ -85,8 +88,16 @@ class SyncFigures:
     # per kind, per part (plan/save/check/restore/other): seconds of each repeat
     parts: dict[str, dict[str, Stat]] = field(
         default_factory=lambda: {k: {p: Stat() for p in PARTS} for k in KINDS})
+    # CPU cores' worth of other work on the machine during each measurement (contention.py)
+    foreign: dict[str, Stat] = field(default_factory=lambda: {k: Stat() for k in KINDS})
+    foreign_bare: dict[str, Stat] = field(default_factory=lambda: {k: Stat() for k in KINDS})
     snapshot: Stat = field(default_factory=Stat)  # tracker.snapshot() after the change
     giant: Stat = field(default_factory=Stat)  # nft: the initial input as one restore
+    giant_foreign: Stat = field(default_factory=Stat)
+    # nft: the same one-service rewrite restored with / without the jumps from the built-in
+    # chains (the kernel validates every chain reachable from a hook on each commit)
+    attached: Stat = field(default_factory=Stat)
+    detached: Stat = field(default_factory=Stat)
     pieces: dict[str, int] = field(default_factory=dict)
     input_bytes: dict[str, int] = field(default_factory=dict)
     input_lines: dict[str, int] = field(default_factory=dict)
@@ -100,19 +111,26 @@ class SyncFigures:
             "ours": {k: v.to_json() for k, v in self.ours.items()},
             "bare": {k: v.to_json() for k, v in self.bare.items()},
             "parts": {k: {p: s.to_json() for p, s in v.items()} for k, v in self.parts.items()},
+            "foreign": {k: v.to_json() for k, v in self.foreign.items()},
+            "foreign_bare": {k: v.to_json() for k, v in self.foreign_bare.items()},
             "snapshot": self.snapshot.to_json(), "giant": self.giant.to_json(),
+            "giant_foreign": self.giant_foreign.to_json(),
+            "attached": self.attached.to_json(), "detached": self.detached.to_json(),
             "pieces": self.pieces, "input_bytes": self.input_bytes,
             "input_lines": self.input_lines, "rules_in_kernel": self.rules_in_kernel,
             "problems": self.problems, "workaround": self.workaround,
         }
 
 
-def bare_restore(ns: str, flavour: str, inputs: Sequence[str]) -> float:
-    """Feed inputs one after the other to iptables-<flavour>-restore --noflush; seconds."""
+def bare_restore(ns: str, flavour: str, inputs: Sequence[str], *,
+                 timeout: float | None = None) -> float:
+    """Feed inputs one after the other to iptables-<flavour>-restore --noflush; seconds.
+    With a timeout the restore (our child) is killed and TimeoutExpired raised."""
     argv = netns.exec_argv(ns, [f"iptables-{flavour}-restore", "--noflush"])
     t0 = time.perf_counter()
     for i, data in enumerate(inputs):
-        proc = subprocess.run(argv, input=data, capture_output=True, text=True, check=False)
+        proc = subprocess.run(argv, input=data, capture_output=True, text=True, check=False,
+                              timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"bare restore {i + 1}/{len(inputs)} in {ns} failed: "
                                f"{proc.stderr.strip()[:500]}")
@@ -175,38 +193,55 @@ class _Timed:
             self.seconds += time.perf_counter() - t0
 
 
-def _settle(flavour: str, size: int) -> None:
-    heavy = flavour == "nft" and size >= 5000
-    netns.wait_quiet(min_wait=10.0 if heavy else 1.0, busy_below=0.2)
+def _settle(flavour: str, size: int, *, heavy: bool = False) -> None:
+    """After a namespace was deleted (a kernel worker frees its tables, which slows the next
+    load): wait until the machine is quiet, at most a few seconds (other work on a shared
+    machine would otherwise keep us waiting). Before a one-restore nft load wait >= 10 s."""
+    if heavy:
+        netns.wait_quiet(min_wait=10.0, max_wait=15.0, busy_below=0.2)
+    else:
+        netns.wait_quiet(min_wait=1.0, max_wait=3.0, busy_below=0.2)
+
+
+def _between_steps() -> None:
+    """Between two syncs in one namespace: nothing is being freed, a short pause only."""
+    time.sleep(0.3)
+
+
+Step = tuple[str, list[str]]  # (kind, the restore inputs the dataplane sent for it)
 
 
 class SyncBench:
     def __init__(
-        self, flavour: str, size: int, options: RuleOptions, log: Callable[[str], None]
+        self, flavour: str, size: int, options: RuleOptions, log: Callable[[str], None],
+        *, partials: int = PARTIALS,
     ) -> None:
         self.dp_class: type[IptablesDataplane] = IptablesDataplane
         self.flavour = flavour
         self.size = size
         self.options = options
         self.log = log
+        self.partials = partials
         self.fig = SyncFigures(flavour, size)
         self.tracker: ChangeTracker = workload.tracker(size)
         self._generation = 0
+        self._initial_inputs: list[str] = []
 
     def run(self, repeats: int, *, giant: bool) -> SyncFigures:
+        previous: list[Step] | None = None
         for r in range(repeats):
-            try:
-                inputs = self._ours(r)
-            except SyncError as err:
-                if self.dp_class is not IptablesDataplane or BUG1_MESSAGE not in str(err):
-                    raise
-                self._fall_back(err)
-                inputs = self._ours(r)
+            if r % 2 == 1 and previous is not None:
+                # Alternate who goes first, so neither side always follows a deletion.
+                self._bare(previous, r)
+                _settle(self.flavour, self.size)
+                steps = self._ours_or_fix(r)
+            else:
+                steps = self._ours_or_fix(r)
+                _settle(self.flavour, self.size)
+                self._bare(steps, r)
             _settle(self.flavour, self.size)
-            self._bare(inputs, check=(r == 0))
-            _settle(self.flavour, self.size)
-            slow = any(self.fig.ours[k].values[-1] > ONCE_ABOVE for k in KINDS)
-            if slow:
+            previous = steps
+            if any(self.fig.ours[k].values[-1] > ONCE_ABOVE for k in KINDS):
                 for k in KINDS:
                     self.fig.ours[k].note = "1 run: slower than 60 s"
                 break
@@ -216,9 +251,18 @@ class SyncBench:
 
     # -- ours -------------------------------------------------------------------------------
 
-    def _ours(self, r: int) -> dict[str, list[str]]:
+    def _ours_or_fix(self, r: int) -> list[Step]:
+        try:
+            return self._ours(r)
+        except SyncError as err:
+            if self.dp_class is not IptablesDataplane or BUG1_MESSAGE not in str(err):
+                raise
+            self._fall_back(err)
+            return self._ours(r)
+
+    def _ours(self, r: int) -> list[Step]:
         fig = self.fig
-        inputs: dict[str, list[str]] = {}
+        steps: list[Step] = []
         with netns.fresh() as ns:
             backend = TimedBackend(self.flavour, ns)
             backend.version()  # the daemon reads it (random-fully) before its first sync
@@ -226,18 +270,23 @@ class SyncBench:
             dp = self.dp_class(backend, workload.facts(), self.options)
             timer = _Timed(dp)
             snap = self.tracker.snapshot()
-            for kind in KINDS:
+            plan = ["initial", "resync", *["partial"] * self.partials]
+            for n, kind in enumerate(plan):
+                if n:
+                    _between_steps()
                 if kind == "partial":
                     t0 = time.perf_counter()
-                    snap = self._change(r)
+                    snap = self._change(r * self.partials + n)
                     fig.snapshot.add(time.perf_counter() - t0)
                 timer.seconds = 0.0
-                t0 = time.perf_counter()
-                result = dp.sync(snap, full=(kind != "partial"))
-                took = time.perf_counter() - t0
+                with Meter() as meter:
+                    t0 = time.perf_counter()
+                    result = dp.sync(snap, full=(kind != "partial"))
+                    took = time.perf_counter() - t0
                 fig.ours[kind].add(took)
+                fig.foreign[kind].add(meter.foreign_cores)
                 data, spent = backend.take()
-                inputs[kind] = data
+                steps.append((kind, data))
                 spent["plan"] = timer.seconds
                 spent["other"] = took - sum(spent.get(p, 0.0) for p in PARTS if p != "other")
                 for p in PARTS:
@@ -248,14 +297,16 @@ class SyncBench:
                 if kind == "partial" and result.rewritten != 1:
                     fig.problems.append(f"partial rewrote {result.rewritten} services, not 1")
                 self.log(f"    {self.flavour} {self.size} #{r + 1} ours {kind}: {took:.3f} s "
-                         f"({result.pieces} piece(s))")
-            if r == 0:
+                         f"({result.pieces} piece(s); others {meter.foreign_cores:.2f} cores)")
+            if not fig.rules_in_kernel:
                 fig.rules_in_kernel = count_rules(ns, self.flavour)
-        return inputs
+        if not self._initial_inputs:
+            self._initial_inputs = steps[0][1]
+        return steps
 
     def _fall_back(self, err: SyncError) -> None:
         """The production initial sync hit bug 1 (bench/fixes.py): say so, use the fix."""
-        for stats in (self.fig.ours, *self.fig.parts.values()):
+        for stats in (self.fig.ours, self.fig.foreign, *self.fig.parts.values()):
             for st in stats.values():
                 st.values.clear()
         self.fig.snapshot.values.clear()
@@ -266,25 +317,62 @@ class SyncBench:
         self.dp_class = MarkMasqFirstDataplane
         _settle(self.flavour, self.size)
 
-    def _change(self, r: int) -> Snapshot:
+    def _change(self, n: int) -> Snapshot:
         self._generation += 1
-        i = (r * 7919 + 17) % self.size
+        i = (n * 7919 + 17) % self.size
         return workload.change_one(self.tracker, i, self._generation)
 
     # -- bare -------------------------------------------------------------------------------
 
-    def _bare(self, inputs: dict[str, list[str]], *, check: bool) -> None:
+    def _bare(self, steps: list[Step], r: int) -> None:
         with netns.fresh() as ns:
-            for kind in KINDS:
-                took = bare_restore(ns, self.flavour, inputs[kind])
+            for n, (kind, data) in enumerate(steps):
+                if n:
+                    _between_steps()
+                with Meter() as meter:
+                    took = bare_restore(ns, self.flavour, data)
                 self.fig.bare[kind].add(took)
-                self.log(f"    {self.flavour} {self.size} bare {kind}: {took:.3f} s")
-            if check:
+                self.fig.foreign_bare[kind].add(meter.foreign_cores)
+                self.log(f"    {self.flavour} {self.size} #{r + 1} bare {kind}: {took:.3f} s "
+                         f"(others {meter.foreign_cores:.2f} cores)")
+            if r == 0:
                 counts = count_rules(ns, self.flavour)
                 if counts != self.fig.rules_in_kernel:
                     self.fig.problems.append(
                         f"bare restores left {counts} rules, the dataplane "
                         f"{self.fig.rules_in_kernel}")
+                if self.flavour == "nft":
+                    self._kernel_share(ns, steps)
+
+    def _kernel_share(self, ns: str, steps: list[Step]) -> None:
+        """Time one service's rewrite (the last partial minus its stale-chain deletion) with
+        the jumps from the built-in chains in place, then again after deleting them."""
+        lines = steps[-1][1][0].splitlines()
+        stale = {line[3:] for line in lines if line.startswith("-X ")}
+        rewrite = "\n".join(
+            line for line in lines
+            if not line.startswith("-X ") and not (line.startswith(":")
+                                                   and line[1:].split(" ")[0] in stale)
+        ) + "\n"
+        undo: dict[str, list[str]] = {}
+        for piece in steps[0][1]:
+            table = ""
+            for line in piece.splitlines():
+                if line.startswith("*"):
+                    table = line[1:]
+                elif line.startswith("-I "):
+                    undo.setdefault(table, []).append("-D " + line[3:])
+        for _ in range(3):
+            _between_steps()
+            self.fig.attached.add(bare_restore(ns, self.flavour, [rewrite]))
+        bare_restore(ns, self.flavour, ["".join(
+            f"*{t}\n" + "\n".join(ls) + "\nCOMMIT\n" for t, ls in undo.items())])
+        for _ in range(3):
+            _between_steps()
+            self.fig.detached.add(bare_restore(ns, self.flavour, [rewrite]))
+        self.log(f"    {self.flavour} {self.size} one-service rewrite, bare: "
+                 f"{self.fig.attached.median:.3f} s attached, "
+                 f"{self.fig.detached.median:.3f} s without the built-in chain jumps")
 
     # -- one giant restore (nft) ------------------------------------------------------------
 
@@ -292,21 +380,54 @@ class SyncBench:
         if self.size > GIANT_MAX:
             self.fig.giant.note = "not run"
             return
-        with netns.fresh() as ns:
-            backend = TimedBackend(self.flavour, ns)
-            dp = self.dp_class(backend, workload.facts(), self.options)
-            dp.sync(self.tracker.snapshot(), full=True)
-            pieces, _ = backend.take()
-        data = merge_pieces(pieces)
+        data = merge_pieces(self._initial_inputs)
         runs = 1 if self.size > GIANT_REPEAT_MAX else repeats
         for _ in range(runs):
-            _settle(self.flavour, 5000)
+            _settle(self.flavour, self.size, heavy=self.size >= 5000)
             with netns.fresh() as ns:
                 self.log(f"    {self.flavour} {self.size} bare one-restore full load "
                          f"({len(data) / 1e6:.1f} MB)...")
-                took = bare_restore(ns, self.flavour, [data])
+                try:
+                    with Meter() as meter:
+                        took = bare_restore(ns, self.flavour, [data], timeout=GIANT_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    self.fig.giant.note = f"> {GIANT_TIMEOUT:.0f} s: stopped, 1 run"
+                    self.log(f"    {self.flavour} {self.size} bare one-restore: still running "
+                             f"after {GIANT_TIMEOUT:.0f} s, stopped")
+                    break
                 self.fig.giant.add(took)
-                self.log(f"    {self.flavour} {self.size} bare one-restore: {took:.2f} s")
+                self.fig.giant_foreign.add(meter.foreign_cores)
+                self.log(f"    {self.flavour} {self.size} bare one-restore: {took:.2f} s "
+                         f"(others {meter.foreign_cores:.2f} cores)")
             if took > ONCE_ABOVE:
                 break
-        _settle(self.flavour, 5000)
+        _settle(self.flavour, self.size, heavy=self.size >= 5000)
+
+
+def piece_sweep(size: int, options: RuleOptions, piece_sizes: Sequence[int],
+                log: Callable[[str], None]) -> dict[int, float]:
+    """nft initial full sync at one size with other PIECE_SERVICES values (one run each)."""
+    out: dict[int, float] = {}
+    cls: type[IptablesDataplane] = IptablesDataplane
+    snapshot = workload.tracker(size).snapshot()
+    for ps in piece_sizes:
+        _settle("nft", size)
+        for attempt in (1, 2):
+            with netns.fresh() as ns:
+                backend = TimedBackend("nft", ns)
+                backend.version()
+                dp = cls(backend, workload.facts(), options, piece_services=ps)
+                t0 = time.perf_counter()
+                try:
+                    result = dp.sync(snapshot, full=True)
+                except SyncError as err:
+                    if attempt == 2 or BUG1_MESSAGE not in str(err):
+                        raise
+                    cls = MarkMasqFirstDataplane
+                    continue
+                out[ps] = time.perf_counter() - t0
+            log(f"    nft {size} initial with {ps} services per piece: {out[ps]:.2f} s "
+                f"({result.pieces} pieces)")
+            break
+    _settle("nft", size)
+    return out
