@@ -477,7 +477,8 @@ class IptablesBackend:
             return True
         # Exit 1 is iptables' "no such rule/chain"; exit 2 naming a chain that "does not
         # exist" is a rule whose jump target is missing, so the rule cannot exist either.
-        if proc.returncode == 1 or (proc.returncode == 2 and "does not exist" in proc.stderr):
+        missing_target = "does not exist" in proc.stderr or "Couldn't load target" in proc.stderr
+        if proc.returncode == 1 or (proc.returncode == 2 and missing_target):
             return False
         raise IptablesError(
             f"{self.iptables_bin} -C failed with exit code {proc.returncode}: "
