@@ -18,8 +18,9 @@ it may match") and treated as matching.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
+from kproxy.ops.inspect.branch import Branch as _Branch
 from kproxy.ops.inspect.iptables_rules import (
     BUILTIN_CHAINS,
     MatchModule,
@@ -66,29 +67,6 @@ CONTINUING_TARGETS = {
 }
 MASQ_TARGETS = {"MASQUERADE", "SNAT"}
 TERMINAL = {ACCEPT, DROP, REJECT, DNAT, "MASQUERADE"}
-
-
-@dataclass
-class _Branch:
-    prob: float | None
-    conditions: list[str] = field(default_factory=list)
-    steps: list[Step] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    mark: int = 0
-    dnat: tuple[str, int | None] | None = None
-    service: str | None = None
-    masquerade: bool = False
-
-    def fork(self) -> _Branch:
-        return replace(
-            self,
-            conditions=list(self.conditions),
-            steps=list(self.steps),
-            notes=list(self.notes),
-        )
-
-    def scale(self, p: float | None) -> None:
-        self.prob = None if self.prob is None or p is None else self.prob * p
 
 
 @dataclass

@@ -17,9 +17,9 @@ the walk knows whether this client sticks. Other tables in the ruleset are not e
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kproxy.ops.inspect.branch import Branch as _Branch
 from kproxy.ops.inspect.model import (
     ACCEPT,
     DNAT,
@@ -51,23 +51,6 @@ NAMED_LOOKUPS = (
     "no-endpoint-nodeports",
     "firewall-ips",
 )
-
-
-@dataclass
-class _Branch:
-    prob: float | None
-    conditions: list[str] = field(default_factory=list)
-    steps: list[Step] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    mark: int = 0
-    dnat: tuple[str, int | None] | None = None
-    service: str | None = None
-    masquerade: bool = False
-
-    def fork(self) -> _Branch:
-        return replace(
-            self, conditions=list(self.conditions), steps=list(self.steps), notes=list(self.notes)
-        )
 
 
 class NftWalker:
