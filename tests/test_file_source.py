@@ -499,3 +499,64 @@ def test_stop_joins_quickly(tmp_path: Path) -> None:
     assert time.monotonic() - begin < 1.0
     alive = [t for t in threading.enumerate() if t.name.startswith("file-source:")]
     assert alive == []
+
+
+# ---------------------------------------------------------------- inotify wake-ups
+
+
+def test_idle_source_sleeps_on_inotify_and_wakes_on_a_change(tmp_path: Path) -> None:
+    write(tmp_path / "a.yaml", svc("a"))
+    src = FileSource(tmp_path, poll_interval=POLL, rescan_interval=60)
+    polls = 0
+    real_poll = src._poll
+
+    def counting_poll() -> list[ObjectEvent]:
+        nonlocal polls
+        polls += 1
+        return real_poll()
+
+    src._poll = counting_poll  # type: ignore[method-assign]
+    rec = Recorder()
+    src.start(rec)
+    try:
+        assert src.watching
+        time.sleep(20 * POLL)
+        assert polls <= 2  # the initial read, and nothing while idle (polling would be ~20)
+        write(tmp_path / "sub" / "b.yaml", svc("b"))  # a new folder is watched too
+        assert set(by_key(rec.wait_batches(2)[1])) == {skey("b")}
+        (tmp_path / "sub" / "b.yaml").write_text(svc("b", 81))  # in place, no rename
+        assert set(by_key(rec.wait_batches(3)[2])) == {skey("b")}
+    finally:
+        src.stop()
+
+
+def test_without_inotify_the_source_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kproxy.sources import files
+
+    monkeypatch.setattr(files.DirWatch, "create", classmethod(lambda cls: None))
+    write(tmp_path / "a.yaml", svc("a"))
+    src = FileSource(tmp_path, poll_interval=POLL, rescan_interval=60)
+    rec = Recorder()
+    src.start(rec)
+    try:
+        assert not src.watching
+        write(tmp_path / "a.yaml", svc("a", 82))
+        assert set(by_key(rec.wait_batches(2)[1])) == {skey("a")}
+    finally:
+        src.stop()
+
+
+def test_shadowed_duplicate_comes_back_when_the_winner_goes(tmp_path: Path) -> None:
+    # The source keeps digests, not objects: the older file is read again to re-deliver it.
+    write(tmp_path / "a.yaml", svc("web", 80))
+    write(tmp_path / "b.yaml", svc("web", 90))
+    src = FileSource(tmp_path, poll_interval=60)
+    rec = Recorder()
+    src.start(rec)
+    src.stop()
+    assert rec.batches[0][0].obj is not None
+    assert rec.batches[0][0].obj["spec"]["ports"][0]["port"] == 90
+    (tmp_path / "b.yaml").unlink()
+    assert src._poll() == []
+    (event,) = src._poll()
+    assert event.obj is not None and event.obj["spec"]["ports"][0]["port"] == 80
