@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-APT_TOOLS := iptables:iptables nft:nftables ipset:ipset conntrack:conntrack ip:iproute2 modprobe:kmod sysctl:procps
+APT_TOOLS := iptables:iptables nft:nftables ipset:ipset conntrack:conntrack ip:iproute2 modprobe:kmod sysctl:procps linux.uml:user-mode-linux ipvsadm:ipvsadm
 
 .PHONY: demo test unit kernel lint bench tools venv clean
 

@@ -7,8 +7,13 @@ from collections.abc import Iterator
 import pytest
 
 from kproxy.lab.topology import Lab, lab_supported
+from kproxy.lab.uml import in_uml
 
 LAB_SUPPORTED, LAB_SKIP_REASON = lab_supported()
+
+# tests/uml needs a kernel with ip_vs: on the host it runs only through tests/test_uml.py,
+# which boots User-Mode Linux and runs it there (with KPROXY_IN_UML=1).
+collect_ignore = [] if in_uml() else ["uml"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

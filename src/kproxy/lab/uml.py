@@ -1,0 +1,477 @@
+"""Run a command inside User-Mode Linux: a real IPVS kernel on a host whose kernel has none.
+
+The guest boots Debian's `user-mode-linux` kernel with the host filesystem as its root
+(hostfs), so the host's venv, repo and tools run unchanged inside it. Everything the guest
+could leak onto the host is made private first:
+
+- /run and /tmp are fresh tmpfs mounts (G11): `ip netns add` writes /run/netns, the lab
+  writes /run/kproxy-lab, iptables-legacy locks /run/xtables.lock.
+- /dev is the guest's own devtmpfs (the kernel mounts it), plus /dev/shm and /dev/pts.
+- The only host path the guest writes on purpose is the run directory made here (init
+  script, logs, the command's output and exit code); it sits outside /tmp and /run so it
+  stays visible in the guest, and it is removed afterwards unless the caller keeps it.
+- PYTHONDONTWRITEBYTECODE keeps guest pythons from writing __pycache__ into the repo.
+
+Results come back through the run directory: the init writes them, syncs, and powers off;
+the host reads them after `linux.uml` exits (dataplane-lab.md §1.4, §2.4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import kproxy
+
+__all__ = [
+    "GUEST_MODULES",
+    "IN_UML_ENV",
+    "UmlError",
+    "UmlGuest",
+    "UmlResult",
+    "UmlUnavailable",
+    "find_linux_uml",
+    "in_uml",
+    "run_in_uml",
+    "uml_supported",
+]
+
+UML_PACKAGE = "user-mode-linux"
+IN_UML_ENV = "KPROXY_IN_UML"
+RUN_DIR_ENV = "KPROXY_UML_RUN_DIR"
+RUNS_DIR_ENV = "KPROXY_UML_RUNS"
+DEFAULT_MEM = "1G"
+DEFAULT_TIMEOUT = 600.0
+# Boot, module loading and poweroff take ~5 s; the command's own guest-side timeout is the
+# wall budget minus this, so a hung command still ends with its output synced to the host.
+GUEST_OVERHEAD = 30.0
+KILL_GRACE = 10.0
+GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Guest-private mounts: a run directory under one of these would be invisible to the host.
+PRIVATE_DIRS = ("/run", "/tmp", "/dev", "/proc", "/sys", "/var/run", "/var/lock")
+
+# What kube-proxy's ipvs mode (and the iptables mode used for comparison) needs, loaded at
+# boot so tests see a node where the modules are present. Missing ones are recorded, not
+# fatal: a test that needs one fails with the module named.
+GUEST_MODULES: tuple[str, ...] = (
+    "ip_vs",
+    *(f"ip_vs_{s}" for s in ("rr", "wrr", "lc", "wlc", "sh", "dh", "sed", "nq", "mh")),
+    "nf_conntrack",
+    "nf_conntrack_netlink",
+    "nf_nat",
+    "iptable_nat",
+    "iptable_filter",
+    "iptable_mangle",
+    "ipt_REJECT",
+    *(
+        f"xt_{m}"
+        for m in (
+            "MASQUERADE",
+            "mark",
+            "comment",
+            "addrtype",
+            "set",
+            "conntrack",
+            "physdev",
+            "ipvs",
+            "tcpudp",
+            "nat",
+            "multiport",
+            "statistic",
+        )
+    ),
+    "ip_set",
+    *(
+        f"ip_set_{t}"
+        for t in ("hash_ip", "hash_ipport", "hash_ipportip", "hash_ipportnet", "hash_net")
+    ),
+    "ip_set_bitmap_port",
+    "veth",
+    "bridge",
+    "dummy",
+)
+
+
+class UmlError(RuntimeError):
+    """The guest did not boot or did not report back."""
+
+
+class UmlUnavailable(UmlError):
+    """This host cannot run UML guests (package missing)."""
+
+
+def in_uml() -> bool:
+    """Whether this process runs inside a guest started by this module."""
+    return os.environ.get(IN_UML_ENV) == "1"
+
+
+def find_linux_uml() -> str:
+    found = shutil.which("linux.uml") or shutil.which("linux.uml", path="/usr/bin:/bin")
+    if not found:
+        raise UmlUnavailable(
+            f"linux.uml not found: install the Debian package {UML_PACKAGE} "
+            f"(apt-get install {UML_PACKAGE}, or `make tools`)"
+        )
+    return found
+
+
+def uml_supported() -> tuple[bool, str]:
+    """Whether a guest can be booted here; the reason is meant for pytest skip messages."""
+    try:
+        find_linux_uml()
+    except UmlUnavailable as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def default_runs_dir() -> Path:
+    """Where run directories go: the checkout's ignored .uml-runs/, else /var/tmp."""
+    override = os.environ.get(RUNS_DIR_ENV)
+    if override:
+        return Path(override)
+    checkout = Path(kproxy.__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and os.access(checkout, os.W_OK):
+        return checkout / ".uml-runs"
+    return Path("/var/tmp/kproxy-uml")
+
+
+def _check_visible(path: Path) -> None:
+    resolved = str(path.resolve())
+    for private in PRIVATE_DIRS:
+        if resolved == private or resolved.startswith(private + "/"):
+            raise UmlError(
+                f"UML run directory {resolved} is under {private}, which the guest mounts "
+                f"privately; use a path outside {', '.join(PRIVATE_DIRS)}"
+            )
+
+
+@dataclass(frozen=True)
+class UmlResult:
+    """What one guest run produced. Times are host wall-clock seconds."""
+
+    argv: tuple[str, ...]
+    returncode: int | None  # the command's exit code; None if it never finished
+    output: str  # the command's stdout and stderr, interleaved
+    console: str  # kernel console (boot messages, panics)
+    init_log: str  # the init script's own log (mounts, modprobe errors)
+    modules: dict[str, str] = field(default_factory=dict)  # module -> loaded|builtin|missing
+    timed_out: bool = False  # the host killed the guest after the wall budget
+    boot_seconds: float | None = None  # linux.uml start -> init running
+    module_seconds: float | None = None  # init start -> modules loaded
+    command_seconds: float | None = None
+    wall_seconds: float = 0.0
+    uml_exit: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    @property
+    def missing_modules(self) -> list[str]:
+        return [m for m, state in self.modules.items() if state == "missing"]
+
+    def describe_failure(self) -> str:
+        """A human-readable account of why the run did not succeed, with log tails."""
+        if self.timed_out:
+            head = f"UML guest killed after {self.wall_seconds:.0f} s wall-clock budget"
+        elif self.returncode is None:
+            head = f"UML guest exited ({self.uml_exit}) before the command finished"
+        elif self.returncode == 124:
+            head = "command timed out inside the UML guest (exit 124)"
+        else:
+            head = f"command exited {self.returncode} inside the UML guest"
+        parts = [f"{head}: {shlex.join(self.argv)}"]
+        for name, text in (("output", self.output), ("init", self.init_log)):
+            if text.strip():
+                parts.append(f"--- {name} (tail) ---\n{text.strip()[-3000:]}")
+        if self.returncode is None and self.console.strip():
+            parts.append(f"--- console (tail) ---\n{self.console.strip()[-3000:]}")
+        return "\n".join(parts)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _stamp(path: Path) -> float | None:
+    text = _read(path).strip()
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+class UmlGuest:
+    """One run directory and one guest boot per run(); a context manager removes the dir.
+
+    `run_dir` exists from __enter__ on, so callers can point the command at files in it
+    (for example a report path) before booting.
+    """
+
+    def __init__(
+        self,
+        *,
+        mem: str = DEFAULT_MEM,
+        timeout: float = DEFAULT_TIMEOUT,
+        runs_dir: Path | None = None,
+        keep: bool = False,
+        modules: Sequence[str] = GUEST_MODULES,
+    ) -> None:
+        if timeout <= GUEST_OVERHEAD:
+            raise ValueError(f"timeout must exceed {GUEST_OVERHEAD:.0f} s (boot and poweroff)")
+        self.linux = find_linux_uml()
+        self.mem = mem
+        self.timeout = timeout
+        self.keep = keep
+        self.modules = tuple(modules)
+        self.runs_dir = runs_dir or default_runs_dir()
+        self.run_dir: Path | None = None
+
+    def __enter__(self) -> UmlGuest:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> Path:
+        if self.run_dir is None:
+            _check_visible(self.runs_dir)
+            self.runs_dir.mkdir(parents=True, exist_ok=True)
+            for _ in range(100):
+                candidate = self.runs_dir / f"run-{secrets.token_hex(4)}"
+                with contextlib.suppress(FileExistsError):
+                    candidate.mkdir(mode=0o700)
+                    self.run_dir = candidate
+                    break
+            else:
+                raise UmlError(f"could not create a run directory in {self.runs_dir}")
+        return self.run_dir
+
+    def close(self) -> None:
+        if self.run_dir is not None and not self.keep:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.runs_dir.rmdir()  # only if no other run is using it
+        self.run_dir = None
+
+    # -- the guest's init ------------------------------------------------------------
+
+    def _init_script(
+        self, run_dir: Path, argv: Sequence[str], cwd: Path, env: Mapping[str, str]
+    ) -> str:
+        r = shlex.quote(str(run_dir))
+        guest_timeout = int(self.timeout - GUEST_OVERHEAD)
+        exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+        modules = " ".join(self.modules)
+        return f"""#!/bin/sh
+# Generated by kproxy.lab.uml: PID 1 of a UML guest whose root is the host filesystem.
+R={r}
+export PATH={GUEST_PATH}
+date +%s.%N > "$R/t-init"
+exec > "$R/init.log" 2>&1 </dev/null
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+# Private /run and /tmp before anything creates a namespace or a temp file (G11).
+mount -t tmpfs -o mode=0755 tmpfs /run
+mount -t tmpfs -o mode=1777 tmpfs /tmp
+mountpoint -q /dev || mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/shm /dev/pts /run/lock /run/netns
+mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+mount -t devpts -o ptmxmode=0666 devpts /dev/pts
+# The package ships its modules under /usr/lib/uml/modules; if /lib/modules lacks them,
+# point modprobe there: MODPROBE_OPTIONS for commands, kernel.modprobe for the kernel's
+# own requests (ipvsadm, iptables extensions).
+KVER=$(uname -r)
+if [ ! -e "/lib/modules/$KVER/modules.dep" ]; then
+  M=/run/kproxy-uml/modroot
+  mkdir -p "$M/lib/modules" /run/kproxy-uml/bin
+  ln -s "/usr/lib/uml/modules/$KVER" "$M/lib/modules/$KVER"
+  export MODPROBE_OPTIONS="-d $M"
+  printf '#!/bin/sh\\nexec /sbin/modprobe -d %s "$@"\\n' "$M" > /run/kproxy-uml/bin/modprobe
+  chmod 755 /run/kproxy-uml/bin/modprobe
+  echo /run/kproxy-uml/bin/modprobe > /proc/sys/kernel/modprobe
+fi
+modprobe -a {modules}
+: > "$R/modules.txt"
+for m in {modules}; do
+  if [ -e "/sys/module/$m" ]; then echo "$m loaded"
+  elif grep -q "/$m.ko" "/usr/lib/uml/modules/$KVER/modules.builtin" 2>/dev/null; then
+    echo "$m builtin"
+  else echo "$m missing"
+  fi >> "$R/modules.txt"
+done
+ip link set lo up
+date +%s.%N > "$R/t-modules"
+{exports}
+cd {shlex.quote(str(cwd))} && timeout -k 10 {guest_timeout} {shlex.join(argv)} \\
+  > "$R/output.txt" 2>&1 </dev/null
+echo $? > "$R/rc.tmp"
+date +%s.%N > "$R/t-done"
+sync
+mv "$R/rc.tmp" "$R/rc"
+sync
+poweroff -f
+"""
+
+    def _guest_env(self, run_dir: Path, env: Mapping[str, str] | None) -> dict[str, str]:
+        base = {
+            "HOME": "/root",
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+            IN_UML_ENV: "1",
+            RUN_DIR_ENV: str(run_dir),
+        }
+        return {**base, **(env or {})}
+
+    # -- running ---------------------------------------------------------------------
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> UmlResult:
+        """Boot, run argv (as guest root, in cwd), power off; never raises for a failing argv."""
+        if not argv:
+            raise ValueError("argv must not be empty")
+        run_dir = self.open()
+        for stale in ("rc", "rc.tmp", "output.txt", "modules.txt", "t-init", "t-modules"):
+            with contextlib.suppress(FileNotFoundError):
+                (run_dir / stale).unlink()
+        init = run_dir / "init.sh"
+        init.write_text(
+            self._init_script(run_dir, argv, cwd or Path.cwd(), self._guest_env(run_dir, env))
+        )
+        init.chmod(0o755)
+        cmd = [
+            self.linux,
+            f"mem={self.mem}",
+            "root=/dev/root",
+            "rootfstype=hostfs",
+            "rootflags=/",
+            "rw",
+            f"init={init}",
+            "con=null",
+            "con0=fd:0,fd:1",
+            # UML's pid file and mconsole socket go into the run dir, not ~/.uml.
+            f"uml_dir={run_dir}",
+            f"umid=kproxy-{run_dir.name}",
+        ]
+        started = time.time()
+        timed_out = False
+        with (run_dir / "console.log").open("wb") as console:
+            # Own session: its PID is the process group of every UML helper process, so a
+            # timeout kills exactly the processes started here.
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                # Also on KeyboardInterrupt: never leave a guest running.
+                _kill_group(proc)
+        wall = time.time() - started
+        return self._collect(run_dir, argv, started, wall, timed_out, proc.returncode)
+
+    def _collect(
+        self,
+        run_dir: Path,
+        argv: Sequence[str],
+        started: float,
+        wall: float,
+        timed_out: bool,
+        uml_exit: int | None,
+    ) -> UmlResult:
+        rc_text = _read(run_dir / "rc").strip()
+        modules: dict[str, str] = {}
+        for line in _read(run_dir / "modules.txt").splitlines():
+            name, _, state = line.partition(" ")
+            if name:
+                modules[name] = state
+        t_init, t_mod, t_done = (_stamp(run_dir / n) for n in ("t-init", "t-modules", "t-done"))
+        return UmlResult(
+            argv=tuple(argv),
+            returncode=int(rc_text) if rc_text.lstrip("-").isdigit() else None,
+            output=_read(run_dir / "output.txt"),
+            console=_read(run_dir / "console.log"),
+            init_log=_read(run_dir / "init.log"),
+            modules=modules,
+            timed_out=timed_out,
+            boot_seconds=None if t_init is None else t_init - started,
+            module_seconds=None if t_init is None or t_mod is None else t_mod - t_init,
+            command_seconds=None if t_mod is None or t_done is None else t_done - t_mod,
+            wall_seconds=wall,
+            uml_exit=uml_exit,
+        )
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(KILL_GRACE)
+    # UML's helper processes share the group; after a clean poweroff they are gone, after
+    # a kill they may linger for a moment.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_in_uml(
+    argv: Sequence[str],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    mem: str = DEFAULT_MEM,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> UmlResult:
+    """Boot a guest, run argv inside it and return what happened; the run dir is removed."""
+    with UmlGuest(mem=mem, timeout=timeout) as guest:
+        return guest.run(argv, cwd=cwd, env=env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m kproxy.lab.uml CMD...`: run CMD in a guest; print its output, exit with its rc."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        print("usage: python -m kproxy.lab.uml [--] CMD [ARGS...]", file=sys.stderr)
+        return 2
+    try:
+        result = run_in_uml(args)
+    except UmlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(result.output)
+    if result.returncode is None:
+        print(result.describe_failure(), file=sys.stderr)
+        return 1
+    return result.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""The one entry point for kernel tests that need IPVS: tests/uml/* run inside User-Mode Linux.
+
+At collection time a host-side `pytest --collect-only tests/uml` (with KPROXY_IN_UML=1)
+lists the inner tests; each becomes one outer test `test_in_uml[<inner id>]`. The first of
+them boots one guest (kproxy.lab.uml) that runs the whole inner suite and streams a JSON
+line per test phase to the host; every outer test then reports its inner test's outcome:
+a failure shows the inner traceback, an inner skip is an outer skip with the inner reason.
+
+If the guest cannot boot or report, every outer test fails with the reason. Only a host
+without the user-mode-linux package (or not root, see tests/conftest.py) skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kproxy.lab.uml import IN_UML_ENV, UmlGuest, UmlResult, uml_supported
+
+pytestmark = pytest.mark.kernel
+
+REPO = Path(__file__).resolve().parents[1]
+# Overridable only to check the harness itself against a scratch folder of known outcomes.
+INNER_DIR = os.environ.get("KPROXY_UML_INNER_DIR", "tests/uml")
+REPORT_ENV = "KPROXY_UML_REPORT"
+# The whole inner suite, boot to poweroff. Override for slow machines.
+TIMEOUT = float(os.environ.get("KPROXY_UML_TIMEOUT", "540"))
+COLLECT_TIMEOUT = 120.0
+UML_OK, UML_SKIP_REASON = uml_supported()
+NOT_COLLECTED = "<not collected>"
+
+
+def _collect_inner() -> tuple[list[str], str | None]:
+    """Inner test ids, from a host-side collection; or an error text if that failed."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        INNER_DIR,
+    ]
+    env = {**os.environ, IN_UML_ENV: "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop(REPORT_ENV, None)
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=COLLECT_TIMEOUT
+        )
+    except subprocess.TimeoutExpired:
+        return [], f"collecting {INNER_DIR} took over {COLLECT_TIMEOUT:.0f} s"
+    ids = [line for line in proc.stdout.splitlines() if line.startswith(f"{INNER_DIR}/")]
+    if proc.returncode not in (0, 5) or not ids:
+        return [], f"collecting {INNER_DIR} failed (exit {proc.returncode}):\n" + (
+            proc.stdout + proc.stderr
+        ).strip()[-6000:]
+    return ids, None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "inner_id" not in metafunc.fixturenames:
+        return
+    markexpr = str(metafunc.config.getoption("markexpr", "") or "")
+    if not UML_OK or "not kernel" in markexpr:
+        # Nothing will run: skip the collection subprocess (about 1 s).
+        metafunc.parametrize("inner_id", [NOT_COLLECTED], ids=["uml"])
+        return
+    ids, error = _collect_inner()
+    if error is not None:
+        metafunc.parametrize("inner_id", [f"{NOT_COLLECTED}\n{error}"], ids=["collect-error"])
+        return
+    prefix = f"{INNER_DIR}/"
+    metafunc.parametrize("inner_id", ids, ids=[i.removeprefix(prefix) for i in ids])
+
+
+# -- the guest run ------------------------------------------------------------------------
+
+
+@dataclass
+class InnerTest:
+    nodeid: str
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class InnerRun:
+    result: UmlResult | None
+    error: str | None  # the guest could not be started at all
+    tests: dict[str, InnerTest]
+    collect_errors: list[dict[str, Any]]
+
+    def harness_failure(self) -> str | None:
+        """Why no inner result can be trusted, or None if the inner session ran."""
+        if self.error is not None:
+            return self.error
+        result = self.result
+        assert result is not None
+        # pytest exits 0 (all passed) or 1 (some failed); anything else means the session
+        # itself broke (interrupted, internal error, usage, nothing collected).
+        if result.returncode not in (0, 1):
+            return result.describe_failure()
+        return None
+
+    def check(self, nodeid: str) -> None:
+        test = self.tests.get(nodeid)
+        if test is None or ("call" not in test.phases and not self._ended_early(test)):
+            why = self.harness_failure() or "the inner session ended without running it"
+            pytest.fail(f"{nodeid} did not run in UML: {why}", pytrace=False)
+        for when in ("setup", "call", "teardown"):
+            phase = test.phases.get(when)
+            if phase is not None and phase["outcome"] == "failed":
+                text = phase.get("longrepr", "") + "\n" + phase.get("sections", "")
+                pytest.fail(f"inner {when} failed in UML:\n{text.strip()}", pytrace=False)
+        for phase in test.phases.values():
+            if phase["outcome"] == "skipped":
+                if "xfail" in phase:
+                    pytest.xfail(f"in UML: {phase['xfail']}")
+                pytest.skip(f"in UML: {phase.get('reason', '')}")
+        assert test.phases["call"]["outcome"] == "passed", test.phases
+
+    @staticmethod
+    def _ended_early(test: InnerTest) -> bool:
+        setup = test.phases.get("setup")
+        return setup is not None and setup["outcome"] != "passed"
+
+
+def _parse_report(path: Path) -> tuple[dict[str, InnerTest], list[dict[str, Any]]]:
+    tests: dict[str, InnerTest] = {}
+    collect_errors: list[dict[str, Any]] = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed guest
+        if record.get("when") == "collect":
+            collect_errors.append(record)
+            continue
+        test = tests.setdefault(record["nodeid"], InnerTest(record["nodeid"]))
+        test.phases[record["when"]] = record
+    return tests, collect_errors
+
+
+def _run_inner() -> InnerRun:
+    try:
+        guest = UmlGuest(timeout=TIMEOUT)
+    except Exception as exc:
+        return InnerRun(None, f"cannot start UML: {exc}", {}, [])
+    with guest:
+        assert guest.run_dir is not None
+        report = guest.run_dir / "report.jsonl"
+        argv = [
+            sys.executable,
+            "-m",
+            "pytest",
+            INNER_DIR,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=-ra",
+            f"--rootdir={REPO}",
+        ]
+        result = guest.run(argv, cwd=REPO, env={REPORT_ENV: str(report)})
+        tests, collect_errors = _parse_report(report)
+    return InnerRun(result, None, tests, collect_errors)
+
+
+@pytest.fixture(scope="session")
+def uml_run(request: pytest.FixtureRequest) -> Iterator[InnerRun]:
+    if not UML_OK:
+        pytest.skip(UML_SKIP_REASON)
+    started = time.perf_counter()
+    run = _run_inner()
+    elapsed = time.perf_counter() - started
+    yield run
+    result = run.result
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None or result is None:
+        return
+    fmt = "{:.1f} s".format
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(
+            f"\nUML: boot {fmt(result.boot_seconds or 0)}, modules "
+            f"{fmt(result.module_seconds or 0)}, inner pytest {fmt(result.command_seconds or 0)}"
+            f", guest wall {fmt(result.wall_seconds)}, total {fmt(elapsed)};"
+            f" {len(run.tests)} inner tests"
+        )
+
+
+def test_in_uml(uml_run: InnerRun, inner_id: str) -> None:
+    if inner_id == NOT_COLLECTED:
+        pytest.skip("inner tests not collected: -m excludes kernel tests")
+    if inner_id.startswith(NOT_COLLECTED):
+        pytest.fail(inner_id.removeprefix(NOT_COLLECTED).strip(), pytrace=False)
+    uml_run.check(inner_id)
+
+
+def test_uml_inner_session_complete(uml_run: InnerRun) -> None:
+    """The inner session itself ran cleanly: no collection errors, a normal pytest exit."""
+    assert not uml_run.collect_errors, "\n".join(
+        f"{e['nodeid']}:\n{e.get('longrepr', '')}" for e in uml_run.collect_errors
+    )
+    failure = uml_run.harness_failure()
+    assert failure is None, failure
