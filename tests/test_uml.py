@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -24,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from kproxy.lab.uml import IN_UML_ENV, UmlGuest, UmlResult, uml_supported
+from kproxy.lab import uml
+from kproxy.lab.uml import IN_UML_ENV, UmlError, UmlGuest, UmlResult, group_members, uml_supported
 
 pytestmark = pytest.mark.kernel
 
@@ -217,3 +219,56 @@ def test_uml_inner_session_complete(uml_run: InnerRun) -> None:
     )
     failure = uml_run.harness_failure()
     assert failure is None, failure
+
+
+# -- the harness itself --------------------------------------------------------------------
+
+needs_uml = pytest.mark.skipif(not UML_OK, reason=UML_SKIP_REASON)
+
+
+@needs_uml
+def test_guest_reports_exit_code_and_keeps_namespaces_off_the_host() -> None:
+    name = f"kpuml{secrets.token_hex(4)}"
+    with UmlGuest(timeout=120) as guest:
+        run_dir = guest.run_dir
+        assert run_dir is not None
+        result = guest.run(["sh", "-c", f"ip netns add {name} && ip netns list; exit 3"])
+    assert result.returncode == 3, result.describe_failure()
+    assert name in result.output, result.output
+    # G11: the guest's `ip netns add` went to its private /run, not the host's.
+    assert not (Path("/run/netns") / name).exists()
+    assert not run_dir.exists(), "run dir left behind"
+    assert result.uml_pid is not None and not group_members(result.uml_pid)
+    assert not result.missing_modules
+    assert result.boot_seconds is not None and result.module_seconds is not None
+
+
+@needs_uml
+def test_guest_command_timeout_is_reported_with_output() -> None:
+    with UmlGuest(timeout=60, command_timeout=2) as guest:
+        result = guest.run(["sh", "-c", "echo started; exec sleep 300"])
+    assert result.returncode == 124 and not result.timed_out, result.describe_failure()
+    assert "started" in result.output
+    assert "timed out inside the UML guest" in result.describe_failure()
+
+
+@needs_uml
+def test_guest_over_budget_is_killed_with_all_its_processes() -> None:
+    with UmlGuest(timeout=5, command_timeout=300) as guest:
+        result = guest.run(["sleep", "300"])
+    assert result.timed_out and result.returncode is None
+    assert result.uml_pid is not None and not group_members(result.uml_pid)
+    assert "killed after" in result.describe_failure()
+    assert result.wall_seconds < 5 + uml.KILL_GRACE
+
+
+def test_missing_linux_uml_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(uml.shutil, "which", lambda *_a, **_k: None)
+    with pytest.raises(uml.UmlUnavailable, match="user-mode-linux"):
+        UmlGuest()
+
+
+@needs_uml
+def test_run_dir_under_a_guest_private_mount_is_refused() -> None:
+    with pytest.raises(UmlError, match="mounts privately"):
+        UmlGuest(runs_dir=Path("/tmp/kproxy-uml-runs")).open()

@@ -8,23 +8,34 @@ work here unchanged (the guest has private /run and /tmp).
 Inside the guest:
 - use `iptables-legacy` / `iptables-legacy-restore` (the UML kernel has no nf_tables ip
   family, G9): the `guest` fixture names them;
+- the `lab` / `lab_module` node namespaces carry kubelet's KUBE-IPTABLES-HINT chain in
+  the legacy mangle table, as on a real node whose kubelet uses iptables-legacy, so
+  `--iptables-backend auto` detects "legacy" there (an empty node would detect "nft");
 - every module in kproxy.lab.uml.GUEST_MODULES was loaded at boot; `guest.modules` says
-  which loaded, `guest.require(...)` fails the test naming a missing one.
+  which loaded, `guest.require(...)` fails the test naming a missing one;
+- `block_module("ip_vs_sh", ...)` makes modules unavailable for one test, as on a node
+  without them: unloaded (with the modules using them) and refused by modprobe, including
+  the kernel's own autoload requests; restored afterwards.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kproxy.lab.topology import Lab
 from kproxy.lab.uml import RUN_DIR_ENV, in_uml
 
 REPORT_ENV = "KPROXY_UML_REPORT"
+# kmod reads /run/modprobe.d, which is the guest's private tmpfs.
+BLOCK_CONF = Path("/run/modprobe.d/kproxy-test-block.conf")
 IPTABLES = "iptables-legacy"
 IPTABLES_RESTORE = "iptables-legacy-restore"
 IPTABLES_SAVE = "iptables-legacy-save"
@@ -127,3 +138,63 @@ def guest() -> Guest:
     if not in_uml():
         pytest.fail(f"not inside a UML guest ({RUN_DIR_ENV} unset): run tests/test_uml.py")
     return _load_guest()
+
+
+def _legacy_node(lab: Lab) -> Lab:
+    # What kubelet does on a legacy-iptables node; kproxy's and upstream's cleanup keep it.
+    lab.exec(lab.node_ns, [IPTABLES, "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"])
+    return lab
+
+
+@pytest.fixture
+def lab(lab: Lab) -> Iterator[Lab]:
+    """tests/conftest.py's lab, its node marked as an iptables-legacy node (see above)."""
+    yield _legacy_node(lab)
+
+
+@pytest.fixture(scope="module")
+def lab_module(lab_module: Lab) -> Iterator[Lab]:
+    """tests/conftest.py's lab_module, its node marked as an iptables-legacy node."""
+    yield _legacy_node(lab_module)
+
+
+def _unload(name: str, removed: list[str]) -> None:
+    """rmmod name and, first, every module holding it; record what went, in order."""
+    sysdir = Path("/sys/module") / name
+    if not (sysdir / "initstate").exists():
+        return  # not loaded (or built in: then it cannot be blocked)
+    for holder in sorted(p.name for p in (sysdir / "holders").iterdir()):
+        _unload(holder, removed)
+    # rmmod, not modprobe -r: that would also drop now-unused dependencies (nf_conntrack).
+    proc = subprocess.run(["rmmod", name], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        refcnt = (sysdir / "refcnt").read_text().strip()
+        pytest.fail(
+            f"cannot unload {name} (refcnt {refcnt}): {proc.stderr.strip()}; block modules "
+            "before the test creates state that uses them"
+        )
+    removed.append(name)
+
+
+@pytest.fixture
+def block_module(guest: Guest) -> Iterator[Callable[..., None]]:
+    """Call with module names: they are unavailable until the test ends (see above)."""
+    removed: list[str] = []
+    blocked: list[str] = []
+
+    def block(*names: str) -> None:
+        for name in names:
+            _unload(name, removed)
+            blocked.append(name)
+        BLOCK_CONF.parent.mkdir(exist_ok=True)
+        BLOCK_CONF.write_text("".join(f"install {n} /bin/false\n" for n in blocked))
+
+    yield block
+    BLOCK_CONF.unlink(missing_ok=True)
+    failed = []
+    for name in reversed(removed):
+        proc = subprocess.run(["modprobe", name], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            failed.append(f"{name}: {proc.stderr.strip()}")
+    if failed:
+        pytest.fail(f"could not reload blocked modules: {failed}")

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kproxy.dataplane.iptables.backend import detect_backend
 from kproxy.lab.topology import Lab
 from tests.uml.conftest import Guest
 
@@ -160,3 +161,20 @@ def test_ipvs_sh_sticks_to_one_pod(ipvs_lab: Lab) -> None:
             assert first.keys() == second.keys(), f"client {client}: {first} then {second}"
     finally:
         _ipvs(ipvs_lab, "set", "rr")
+
+
+def test_lab_node_detects_legacy_iptables(lab_module: Lab) -> None:
+    # G9: nf_tables has no ip family in this kernel; the lab node looks like a legacy node.
+    assert detect_backend(lab_module.node_ns) == "legacy"
+
+
+def test_blocked_module_cannot_be_loaded(
+    lab_module: Lab, block_module: Callable[..., None]
+) -> None:
+    block_module("ip_vs_mh")
+    assert not Path("/sys/module/ip_vs_mh").exists()
+    assert lab_module.exec(lab_module.node_ns, ["modprobe", "ip_vs_mh"], check=False).returncode
+    # The kernel's own autoload (a service asking for the mh scheduler) is refused too.
+    add = ["ipvsadm", "-A", "-t", "10.96.0.99:80", "-s", "mh"]
+    proc = lab_module.exec(lab_module.node_ns, add, check=False)
+    assert proc.returncode != 0 and "not found" in proc.stderr, proc.stderr

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from kproxy.lab.topology import Lab, LabError, lab_supported
+from kproxy.lab.uml import UmlError, run_in_uml
 
 lab_app = typer.Typer(
     name="lab",
@@ -154,6 +155,37 @@ def list_labs(
             f"{lab.id}: {status}, {owner}, {len(lab.pods)} pods, {len(lab.client_ns)} clients"
         )
         _print_human(lab)
+
+
+@lab_app.command(
+    "uml", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+)
+def uml_run(
+    ctx: typer.Context,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Wall-clock budget, boot to poweroff (s).")
+    ] = 600.0,
+    mem: Annotated[str, typer.Option("--mem", help="Guest memory (UML mem=).")] = "1G",
+) -> None:
+    """Run a command inside a User-Mode Linux guest (a kernel with ip_vs): `kproxy lab uml -- CMD`.
+
+    The guest's root is the host filesystem with private /run and /tmp; the command runs as
+    guest root in the current directory, and its exit code is this command's.
+    """
+    argv = list(ctx.args[1:] if ctx.args[:1] == ["--"] else ctx.args)
+    if not argv:
+        typer.echo("error: give a command, e.g. kproxy lab uml -- ipvsadm -Ln", err=True)
+        raise typer.Exit(2)
+    try:
+        result = run_in_uml(argv, timeout=timeout, mem=mem)
+    except (UmlError, OSError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(result.output, nl=False)
+    if result.returncode is None:
+        typer.echo(result.describe_failure(), err=True)
+        raise typer.Exit(1)
+    raise typer.Exit(result.returncode)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ the host reads them after `linux.uml` exits (dataplane-lab.md §1.4, §2.4).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import shlex
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kproxy
+from kproxy.lab.topology import _proc_starttime
 
 __all__ = [
     "GUEST_MODULES",
@@ -41,6 +43,7 @@ __all__ = [
     "UmlResult",
     "UmlUnavailable",
     "find_linux_uml",
+    "group_members",
     "in_uml",
     "run_in_uml",
     "uml_supported",
@@ -56,6 +59,7 @@ DEFAULT_TIMEOUT = 600.0
 # wall budget minus this, so a hung command still ends with its output synced to the host.
 GUEST_OVERHEAD = 30.0
 KILL_GRACE = 10.0
+OWNER_FILE = "owner"
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Guest-private mounts: a run directory under one of these would be invisible to the host.
 PRIVATE_DIRS = ("/run", "/tmp", "/dev", "/proc", "/sys", "/var/run", "/var/lock")
@@ -171,6 +175,7 @@ class UmlResult:
     command_seconds: float | None = None
     wall_seconds: float = 0.0
     uml_exit: int | None = None
+    uml_pid: int | None = None  # linux.uml's PID, also its process group
 
     @property
     def ok(self) -> bool:
@@ -226,15 +231,24 @@ class UmlGuest:
         *,
         mem: str = DEFAULT_MEM,
         timeout: float = DEFAULT_TIMEOUT,
+        command_timeout: float | None = None,
         runs_dir: Path | None = None,
         keep: bool = False,
         modules: Sequence[str] = GUEST_MODULES,
     ) -> None:
-        if timeout <= GUEST_OVERHEAD:
-            raise ValueError(f"timeout must exceed {GUEST_OVERHEAD:.0f} s (boot and poweroff)")
+        """timeout: host wall-clock budget for boot to poweroff, after which the guest is
+        killed; command_timeout: the command's own limit inside the guest (default: the
+        budget minus GUEST_OVERHEAD), so a hung command still reports its output."""
+        if command_timeout is None:
+            command_timeout = timeout - GUEST_OVERHEAD
+        if timeout <= 0 or command_timeout <= 0:
+            raise ValueError(
+                f"timeout ({timeout} s) must leave {GUEST_OVERHEAD:.0f} s for boot and poweroff"
+            )
         self.linux = find_linux_uml()
         self.mem = mem
         self.timeout = timeout
+        self.command_timeout = command_timeout
         self.keep = keep
         self.modules = tuple(modules)
         self.runs_dir = runs_dir or default_runs_dir()
@@ -251,6 +265,7 @@ class UmlGuest:
         if self.run_dir is None:
             _check_visible(self.runs_dir)
             self.runs_dir.mkdir(parents=True, exist_ok=True)
+            _prune_orphans(self.runs_dir)
             for _ in range(100):
                 candidate = self.runs_dir / f"run-{secrets.token_hex(4)}"
                 with contextlib.suppress(FileExistsError):
@@ -259,6 +274,8 @@ class UmlGuest:
                     break
             else:
                 raise UmlError(f"could not create a run directory in {self.runs_dir}")
+            me = os.getpid()
+            (self.run_dir / OWNER_FILE).write_text(f"{me} {_proc_starttime(me)}\n")
         return self.run_dir
 
     def close(self) -> None:
@@ -274,7 +291,7 @@ class UmlGuest:
         self, run_dir: Path, argv: Sequence[str], cwd: Path, env: Mapping[str, str]
     ) -> str:
         r = shlex.quote(str(run_dir))
-        guest_timeout = int(self.timeout - GUEST_OVERHEAD)
+        guest_timeout = max(1, round(self.command_timeout))
         exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))
         modules = " ".join(self.modules)
         return f"""#!/bin/sh
@@ -329,6 +346,8 @@ poweroff -f
 
     def _guest_env(self, run_dir: Path, env: Mapping[str, str] | None) -> dict[str, str]:
         base = {
+            # The host interpreter's bin first: `python`, `kproxy`, `pytest` are the venv's.
+            "PATH": f"{Path(sys.executable).parent}:{GUEST_PATH}",
             "HOME": "/root",
             "LANG": "C.UTF-8",
             "TERM": "dumb",
@@ -352,7 +371,7 @@ poweroff -f
         if not argv:
             raise ValueError("argv must not be empty")
         run_dir = self.open()
-        for stale in ("rc", "rc.tmp", "output.txt", "modules.txt", "t-init", "t-modules"):
+        for stale in ("rc", "rc.tmp", "output.txt", "modules.txt", "t-init", "t-modules", "t-done"):
             with contextlib.suppress(FileNotFoundError):
                 (run_dir / stale).unlink()
         init = run_dir / "init.sh"
@@ -394,7 +413,8 @@ poweroff -f
                 # Also on KeyboardInterrupt: never leave a guest running.
                 _kill_group(proc)
         wall = time.time() - started
-        return self._collect(run_dir, argv, started, wall, timed_out, proc.returncode)
+        result = self._collect(run_dir, argv, started, wall, timed_out, proc.returncode)
+        return dataclasses.replace(result, uml_pid=proc.pid)
 
     def _collect(
         self,
@@ -428,16 +448,48 @@ poweroff -f
         )
 
 
+def group_members(pgid: int) -> list[int]:
+    """PIDs whose process group is pgid (zombies excluded)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill what is left of the guest: its process group is the session linux.uml leads."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(KILL_GRACE)
-    # UML's helper processes share the group; after a clean poweroff they are gone, after
-    # a kill they may linger for a moment.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    # UML's helper processes (one per guest process tracer) share the group. After a clean
+    # poweroff they are gone; after a kill they may take a moment. The group id cannot be
+    # reused while any member lives, so signalling it never hits a stranger.
+    deadline = time.monotonic() + KILL_GRACE
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def _prune_orphans(runs_dir: Path) -> None:
+    """Remove run dirs whose owning process died without cleaning up (kill -9, crash)."""
+    for run_dir in runs_dir.glob("run-*"):
+        try:
+            pid_text, start_text = (run_dir / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue  # being created right now, or not ours
+        if str(_proc_starttime(int(pid_text))) != start_text:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def run_in_uml(
