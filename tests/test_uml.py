@@ -26,9 +26,21 @@ from typing import Any
 import pytest
 
 from kproxy.lab import uml
-from kproxy.lab.uml import IN_UML_ENV, UmlError, UmlGuest, UmlResult, group_members, uml_supported
+from kproxy.lab.uml import (
+    IN_UML_ENV,
+    UmlError,
+    UmlGuest,
+    UmlResult,
+    group_members,
+    in_uml,
+    uml_supported,
+)
 
-pytestmark = pytest.mark.kernel
+pytestmark = [
+    pytest.mark.kernel,
+    # Never boot a guest from inside a guest (someone ran the whole suite in UML).
+    pytest.mark.skipif(in_uml(), reason="already inside a UML guest"),
+]
 
 REPO = Path(__file__).resolve().parents[1]
 # Overridable only to check the harness itself against a scratch folder of known outcomes.
@@ -39,6 +51,7 @@ TIMEOUT = float(os.environ.get("KPROXY_UML_TIMEOUT", "540"))
 COLLECT_TIMEOUT = 120.0
 UML_OK, UML_SKIP_REASON = uml_supported()
 NOT_COLLECTED = "<not collected>"
+COLLECTED: list[str] = []  # inner ids known at collection time, to spot ones that ran unseen
 
 
 def _collect_inner() -> tuple[list[str], str | None]:
@@ -81,6 +94,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if error is not None:
         metafunc.parametrize("inner_id", [f"{NOT_COLLECTED}\n{error}"], ids=["collect-error"])
         return
+    COLLECTED[:] = ids
     prefix = f"{INNER_DIR}/"
     metafunc.parametrize("inner_id", ids, ids=[i.removeprefix(prefix) for i in ids])
 
@@ -219,6 +233,10 @@ def test_uml_inner_session_complete(uml_run: InnerRun) -> None:
     )
     failure = uml_run.harness_failure()
     assert failure is None, failure
+    # An inner test that exists only in the guest (parametrized on guest facts, say) would
+    # otherwise pass unseen.
+    unseen = sorted(set(uml_run.tests) - set(COLLECTED))
+    assert not unseen, f"inner tests that ran in UML but were not collected on the host: {unseen}"
 
 
 # -- the harness itself --------------------------------------------------------------------

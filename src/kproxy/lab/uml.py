@@ -155,7 +155,7 @@ def _check_visible(path: Path) -> None:
         if resolved == private or resolved.startswith(private + "/"):
             raise UmlError(
                 f"UML run directory {resolved} is under {private}, which the guest mounts "
-                f"privately; use a path outside {', '.join(PRIVATE_DIRS)}"
+                f"privately; set {RUNS_DIR_ENV} to a path outside {', '.join(PRIVATE_DIRS)}"
             )
 
 
@@ -268,7 +268,9 @@ class UmlGuest:
             _prune_orphans(self.runs_dir)
             for _ in range(100):
                 candidate = self.runs_dir / f"run-{secrets.token_hex(4)}"
-                with contextlib.suppress(FileExistsError):
+                # FileNotFoundError: another run's close() just removed the empty runs_dir.
+                with contextlib.suppress(FileExistsError, FileNotFoundError):
+                    self.runs_dir.mkdir(parents=True, exist_ok=True)
                     candidate.mkdir(mode=0o700)
                     self.run_dir = candidate
                     break
