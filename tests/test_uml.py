@@ -170,7 +170,7 @@ def _parse_report(path: Path) -> tuple[dict[str, InnerTest], list[dict[str, Any]
     return tests, collect_errors
 
 
-def _run_inner() -> InnerRun:
+def _run_inner(selected: list[str]) -> InnerRun:
     try:
         guest = UmlGuest(timeout=TIMEOUT)
     except Exception as exc:
@@ -178,11 +178,13 @@ def _run_inner() -> InnerRun:
     with guest:
         assert guest.run_dir is not None
         report = guest.run_dir / "report.jsonl"
+        # Only what the outer run selected (-k, node ids): a quick loop for one inner test.
+        targets = selected if selected and set(selected) != set(COLLECTED) else [INNER_DIR]
         argv = [
             sys.executable,
             "-m",
             "pytest",
-            INNER_DIR,
+            *targets,
             "-q",
             "-p",
             "no:cacheprovider",
@@ -199,8 +201,15 @@ def _run_inner() -> InnerRun:
 def uml_run(request: pytest.FixtureRequest) -> Iterator[InnerRun]:
     if not UML_OK:
         pytest.skip(UML_SKIP_REASON)
+    selected = [
+        item.callspec.params["inner_id"]
+        for item in request.session.items
+        if isinstance(item, pytest.Function)
+        and hasattr(item, "callspec")
+        and item.callspec.params.get("inner_id") in COLLECTED
+    ]
     started = time.perf_counter()
-    run = _run_inner()
+    run = _run_inner(selected)
     elapsed = time.perf_counter() - started
     yield run
     result = run.result

@@ -506,26 +506,3 @@ def run_in_uml(
     with UmlGuest(mem=mem, timeout=timeout) as guest:
         return guest.run(argv, cwd=cwd, env=env)
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m kproxy.lab.uml CMD...`: run CMD in a guest; print its output, exit with its rc."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["--"]:
-        args = args[1:]
-    if not args:
-        print("usage: python -m kproxy.lab.uml [--] CMD [ARGS...]", file=sys.stderr)
-        return 2
-    try:
-        result = run_in_uml(args)
-    except UmlError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    sys.stdout.write(result.output)
-    if result.returncode is None:
-        print(result.describe_failure(), file=sys.stderr)
-        return 1
-    return result.returncode
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
