@@ -1195,6 +1195,12 @@ def rule_options(config: ProxyConfig) -> RuleOptions:
         interface_name_prefix=config.detect_local.interface_name_prefix,
         localhost_nodeports=config.iptables.localhost_node_ports,
         node_port_addresses=config.effective_node_port_addresses,
+        ipvs_scheduler=config.ipvs.scheduler,
+        ipvs_exclude_cidrs=tuple(config.ipvs.exclude_cidrs),
+        ipvs_strict_arp=config.ipvs.strict_arp,
+        ipvs_tcp_timeout=config.ipvs.tcp_timeout,
+        ipvs_tcp_fin_timeout=config.ipvs.tcp_fin_timeout,
+        ipvs_udp_timeout=config.ipvs.udp_timeout,
     )
 
 

@@ -36,6 +36,13 @@ class RuleOptions:
     localhost_nodeports: bool = True
     # CIDRs (or the single word "primary"); empty means every local address.
     node_port_addresses: tuple[str, ...] = ()
+    # ipvs mode only (the ipvs section of the configuration); other modes ignore them.
+    ipvs_scheduler: str = ""
+    ipvs_exclude_cidrs: tuple[str, ...] = ()
+    ipvs_strict_arp: bool = False
+    ipvs_tcp_timeout: float = 0.0
+    ipvs_tcp_fin_timeout: float = 0.0
+    ipvs_udp_timeout: float = 0.0
 
     @property
     def masquerade_mark(self) -> str:
