@@ -568,24 +568,53 @@ def switch(
     ] = 60.0,
     state_dir: StateDirOpt = DEFAULT_STATE_DIR,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Switch even if preflight blocks (logged, in the report)."),
+    ] = False,
+    config_path: Annotated[
+        Path | None, typer.Option("--config", help="For preflight (default: the running one's).")
+    ] = None,
+    source: Annotated[
+        Path | None, typer.Option("--source", help="For preflight (default: the running one's).")
+    ] = None,
 ) -> None:
     """Switch the running kproxy to another proxy mode, live and make-before-break.
 
-    The new mode is programmed beside the old one and verified (every service in the
-    kernel, a self-probe of a sample of services); only then is the old mode taken out of
-    the packet path in one step and its state removed. If anything fails before that, the
-    old mode keeps serving untouched and the report says why. Exit code 0 on success.
+    First `kproxy preflight --to MODE` runs; a blocking finding refuses the switch (exit
+    code 1, nothing changed) unless --force. The new mode is programmed beside the old one
+    and verified (every service in the kernel, a self-probe of a sample of services); only
+    then is the old mode taken out of the packet path in one step and its state removed. If
+    anything fails before that, the old mode keeps serving untouched and the report says
+    why. Exit code 0 on success.
     """
+    from kproxy.ops.preflight.cli import UsageError, print_gate, switch_gate
     from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
 
     try:
+        gate = switch_gate(
+            to, state_dir=state_dir, force=force, config_path=config_path, source=source
+        )
+    except UsageError as err:
+        raise fail(str(err)) from None
+    if gate is not None and not as_json:
+        print_gate(gate)
+    if gate is not None and gate.refused:
+        refusal = gate.refusal()
+        if as_json:
+            typer.echo(json.dumps(refusal, indent=2))
+            raise typer.Exit(1)
+        raise fail(refusal["error"], code=1)
+    try:
         report = call(
             state_dir / SOCKET_NAME,
-            {"op": "switch", "to": to, "timeout": timeout},
+            {"op": "switch", "to": to, "timeout": timeout, "force": force},
             timeout=timeout + 30,
         )
     except AdminUnavailable as err:
         raise fail(str(err), code=1) from None
+    if gate is not None:
+        report = gate.annotate(report)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         raise typer.Exit(0 if report.get("ok") else 1)
@@ -596,7 +625,8 @@ def switch(
     if report.get("ok"):
         typer.secho(
             f"switched {report['from_mode']} -> {report['to_mode']} in {report['duration']:.2f} s; "
-            f"{len(report.get('removed', []))} objects of {report['from_mode']} removed",
+            f"{len(report.get('removed', []))} objects of {report['from_mode']} removed"
+            + (" (FORCED past blocking preflight findings)" if report.get("forced") else ""),
             fg=typer.colors.GREEN,
         )
         raise typer.Exit(0)
@@ -607,6 +637,13 @@ def switch(
         err=True,
     )
     raise typer.Exit(1)
+
+
+# --- preflight and doctor (bodies in kproxy.ops.preflight / kproxy.ops.doctor) -------------------
+
+from kproxy.ops.preflight.cli import preflight_command  # noqa: E402
+
+app.command("preflight")(preflight_command)
 
 
 # --- list and trace ------------------------------------------------------------------------------

@@ -56,6 +56,10 @@ class ParsedService:
     external_policy_local: bool
     internal_policy_local: bool
     annotations: tuple[tuple[str, str], ...]
+    # spec.selector: () means none, so the EndpointSlices are managed by hand (or by a
+    # controller that is not Kubernetes'); preflight and doctor tell the two apart. Not
+    # part of equality: the proxy never selects pods, so a selector edit changes no rule.
+    selector: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +352,16 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
         external_policy_local=etp_local,
         internal_policy_local=itp == "Local",
         annotations=tuple(sorted(annotations.items())),
+        selector=_selector(spec.get("selector")),
     )
+
+
+def _selector(value: Any) -> tuple[tuple[str, str], ...]:
+    # Read for diagnostics only (the proxy never selects pods), so a malformed one is no
+    # reason to reject the Service.
+    if not isinstance(value, dict):
+        return ()
+    return tuple(sorted((str(k), str(v)) for k, v in value.items()))
 
 
 def _cluster_ipv4(spec: dict[str, Any]) -> str:

@@ -1,0 +1,279 @@
+"""`kproxy preflight` and the preflight gate of `kproxy switch` (cli.py only registers them).
+
+Inputs not given on the command line come from the running kproxy of --state-dir: its mode
+and node from the admin socket, its --config and --source from its command line. Without a
+running kproxy the current mode is read from the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kproxy.defaults import DEFAULT_STATE_DIR
+from kproxy.ops.preflight.findings import EXIT_USAGE
+
+log = logging.getLogger("kproxy.preflight")
+
+
+class UsageError(Exception):
+    """Bad arguments: one line on stderr, exit code 2."""
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"kproxy: error: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(EXIT_USAGE)
+
+
+def check_mode_name(to: str) -> str:
+    """The target mode, or UsageError with config.py's own message (and its suggestion)."""
+    from kproxy.config import MODES, ProxyConfig, validate_config
+
+    if to in MODES:
+        return to
+    problems = [p for p in validate_config(ProxyConfig(mode=to)) if p.startswith("mode:")]
+    hint = next((p.split("; ", 1)[1] for p in problems if "; did you mean" in p), "")
+    raise UsageError(
+        f"--to {to!r} is not a proxy mode (choose from {', '.join(MODES)})"
+        + (f"; {hint}" if hint else "")
+    )
+
+
+def running_status(state_dir: Path) -> dict[str, Any] | None:
+    """The running kproxy's status over its admin socket (None: nothing answers)."""
+    from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
+
+    try:
+        st = call(state_dir / SOCKET_NAME, {"op": "status"}, timeout=10)
+    except (AdminUnavailable, OSError, ValueError):
+        return None
+    return st if st.get("ok", True) else None
+
+
+def _check_netns(netns: str | None) -> None:
+    if netns is not None and not Path("/run/netns", netns).exists():
+        raise UsageError(f"--netns: no network namespace {netns!r} (see `ip netns list`)")
+
+
+@dataclass
+class Inputs:
+    config_path: Path | None
+    source: Path | None
+    status: dict[str, Any] | None
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_inputs(state_dir: Path, config_path: Path | None, source: Path | None) -> Inputs:
+    status = running_status(state_dir)
+    notes = []
+    if status is not None and isinstance(status.get("pid"), int):
+        from kproxy.ops.preflight.run import daemon_inputs
+
+        found = daemon_inputs(status["pid"])
+        if config_path is None and "config" in found:
+            config_path = found["config"]
+            notes.append(f"--config {config_path}: the running kproxy's")
+        if source is None and "source" in found:
+            source = found["source"]
+            notes.append(f"--source {source}: the running kproxy's")
+    elif status is None:
+        notes.append(f"no kproxy answers at {state_dir}: the current mode is read from the kernel")
+    for path, flag in ((config_path, "--config"), (source, "--source")):
+        if path is not None and not path.exists():
+            raise UsageError(f"{flag}: {path} does not exist")
+    return Inputs(config_path, source, status, notes)
+
+
+def preflight_command(
+    to: Annotated[str, typer.Option("--to", help="The mode to switch to.")],
+    config_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="The KubeProxyConfiguration the proxy runs with (default: the running "
+            "kproxy's); checked with its mode set to --to.",
+        ),
+    ] = None,
+    source: Annotated[
+        Path | None,
+        typer.Option(
+            "--source",
+            help="Services, EndpointSlices and Nodes (default: the running kproxy's); "
+            "without it the object and consistency checks are skipped.",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
+    state_dir: Annotated[
+        Path, typer.Option("--state-dir", help="The running kproxy's state dir; backups go here.")
+    ] = DEFAULT_STATE_DIR,
+    current: Annotated[
+        str | None,
+        typer.Option("--from", help="The mode serving now (default: asked, or from the kernel)."),
+    ] = None,
+    netns: Annotated[
+        str | None,
+        typer.Option("--netns", help="Check the node in this named network namespace (a lab)."),
+    ] = None,
+    backup: Annotated[
+        Path | None,
+        typer.Option("--backup", help="Write the verified backup here (default: in --state-dir)."),
+    ] = None,
+    hostname: Annotated[
+        str | None, typer.Option("--hostname-override", help="The node name.")
+    ] = None,
+) -> None:
+    """Check whether a switch to --to is safe on this node; explain what is not and how to fix it.
+
+    Kernel support for the target mode (modules loaded, built in or loadable, persisted;
+    kernel and nft versions; iptables backends), conntrack headroom, a verified backup of
+    the current dataplane, the configuration, the objects, the dataplane's consistency and
+    other modes' leftovers, and the sysctls the mode depends on. Read only: the only thing
+    written is the backup file. Each finding has an id, a severity (block, warn, info),
+    what was found, why it matters and the commands that fix it.
+
+    Exit codes: 0 safe (nothing blocks; warnings and info do not), 1 blocked (at least one
+    finding of severity block), 2 usage error (unknown mode, missing file).
+    """
+    from kproxy.ops.preflight.access import NodeAccess
+    from kproxy.ops.preflight.run import run_preflight
+
+    try:
+        target = check_mode_name(to)
+        if current is not None:
+            check_mode_name(current)
+        _check_netns(netns)
+        inputs = resolve_inputs(state_dir, config_path, source)
+    except UsageError as err:
+        raise _fail(str(err)) from None
+    result = run_preflight(
+        target,
+        access=NodeAccess(netns=netns),
+        config_path=inputs.config_path,
+        source=inputs.source,
+        state_dir=state_dir,
+        status=inputs.status,
+        current_mode=current,
+        node_name=hostname,
+        backup_path=backup,
+    )
+    result.notes = inputs.notes + result.notes
+    if as_json:
+        typer.echo(result.to_json())
+    else:
+        result.print_text()
+    raise typer.Exit(result.exit_code)
+
+
+# --- the switch's gate -----------------------------------------------------------------------
+
+
+@dataclass
+class SwitchGate:
+    """Preflight before `kproxy switch`: refuse on a block unless forced."""
+
+    target: str
+    result: Any  # PreflightResult
+    forced: bool
+
+    @property
+    def refused(self) -> bool:
+        return not self.result.safe and not self.forced
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "safe": self.result.safe,
+            "forced": self.forced and not self.result.safe,
+            "blocking": [f.id for f in self.result.blocking],
+            "counts": self.result.to_dict()["counts"],
+        }
+
+    def refusal(self) -> dict[str, Any]:
+        blocking = "; ".join(f"{f.id}: {f.found}" for f in self.result.blocking)
+        return {
+            "ok": False,
+            "refused": True,
+            "from_mode": self.result.current_mode,
+            "to_mode": self.target,
+            "error": f"{self.target} mode cannot run here: preflight blocked the switch "
+            f"(--force overrides): {blocking}",
+            "preflight": self.result.to_dict(),
+        }
+
+    def annotate(self, report: dict[str, Any]) -> dict[str, Any]:
+        """Record the preflight (and a --force) in the switch report."""
+        report["preflight"] = self.result.to_dict()
+        report["forced"] = self.forced and not self.result.safe
+        return report
+
+
+def switch_gate(
+    to: str,
+    *,
+    state_dir: Path,
+    force: bool,
+    config_path: Path | None = None,
+    source: Path | None = None,
+) -> SwitchGate | None:
+    """Run preflight for `kproxy switch --to`. None when there is nothing to check here:
+    no kproxy answers (the switch call reports that), or --to previous without a previous
+    mode (the proxy answers that). Raises UsageError for bad arguments."""
+    from kproxy.ops.preflight.run import run_preflight
+
+    inputs = resolve_inputs(state_dir, config_path, source)
+    status = inputs.status
+    if status is None:
+        return None
+    target = status.get("previous_mode") if to == "previous" else to
+    if not target:
+        return None
+    target = check_mode_name(target)
+    result = run_preflight(
+        target,
+        config_path=inputs.config_path,
+        source=inputs.source,
+        state_dir=state_dir,
+        status=status,
+    )
+    result.notes = inputs.notes + result.notes
+    gate = SwitchGate(target, result, force)
+    if not result.safe and force:
+        ids = ", ".join(f.id for f in result.blocking)
+        log.warning("switch to %s FORCED past blocking preflight findings: %s", target, ids)
+        typer.secho(
+            f"kproxy: warning: --force: switching to {target} despite blocking preflight "
+            f"findings: {ids}",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
+        _record_forced(state_dir, gate)
+    return gate
+
+
+def _record_forced(state_dir: Path, gate: SwitchGate) -> None:
+    """A forced switch leaves a file next to the switch snapshots, for whoever looks later."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        path = state_dir / f"switch-{stamp}-forced-{gate.target}-preflight.json"
+        path.write_text(gate.result.to_json() + "\n")
+    except OSError as err:
+        log.warning("could not record the forced switch: %s", err)
+
+
+def print_gate(gate: SwitchGate) -> None:
+    """Text mode: what preflight found (blocks and warnings), before the switch output."""
+    from kproxy.ops.preflight.findings import Severity, render_text
+
+    shown = [f for f in gate.result.findings if f.severity is not Severity.INFO]
+    if not shown and gate.result.safe:
+        typer.echo(f"preflight: nothing blocks a switch to {gate.target}")
+        return
+    verdict = gate.result.verdict()
+    if gate.forced and not gate.result.safe:
+        verdict = f"FORCED: switching to {gate.target} despite the blocking findings"
+    render_text(shown, header=gate.result.header(), verdict=verdict)

@@ -1,0 +1,388 @@
+"""The configuration the target mode will run with (the given file, mode replaced).
+
+Validation is config.py's own (the same messages and "did you mean" hints as `kproxy run`);
+the checks here are the mistakes that validate fine and still hurt: a file whose mode
+differs from the switch (the next restart switches back), settings that live in per-mode
+sections and so change with the mode (masqueradeAll), excludeCIDRs swallowing the pods'
+or services' addresses, strictARP off under an ARP-announcing load balancer, NodePort
+addresses that match nothing, no clusterCIDR.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+from kproxy.config import ProxyConfig, format_duration
+from kproxy.dataplane.base import AVAILABLE_MODES
+from kproxy.ops.preflight.context import Check, Context
+from kproxy.ops.preflight.findings import Finding, block, info, warn
+
+# Changes per second above which minSyncPeriod 0 means a sync per change, back to back.
+HIGH_CHANGE_RATE = 1.0
+
+Net = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _file(ctx: Context) -> str:
+    return str(ctx.config_path) if ctx.config_path else "<config file>"
+
+
+def yq(ctx: Context, expr: str) -> str:
+    """The exact edit, as a yq (mikefarah/yq v4) command on the config file."""
+    return f"yq -i '{expr}' {_file(ctx)}"
+
+
+def check_loads(ctx: Context) -> list[Finding]:
+    err = ctx.config_error
+    if err is None:
+        return []
+    out = []
+    for problem in err.problems:
+        mode = problem.startswith("mode:")
+        out.append(
+            block(
+                "config.mode-invalid" if mode else "config.invalid",
+                f"{err.source}: {problem}",
+                "kproxy refuses to start with this file (a wrong mode is an error, never a "
+                "fallback to another mode: kubernetes #70304)"
+                if mode
+                else "kproxy refuses to start with this file, and a restart after the switch "
+                "would fail",
+                [
+                    f"$EDITOR {err.source}",
+                    f"kproxy render --config {err.source} --source <objects> >/dev/null",
+                ],
+                subject=problem.split(":", 1)[0],
+            )
+        )
+    return out
+
+
+def check_target_mode(ctx: Context) -> list[Finding]:
+    out = []
+    if ctx.target not in AVAILABLE_MODES:
+        out.append(
+            block(
+                "mode.unavailable",
+                f"{ctx.target} mode is not available in this build (available: "
+                f"{', '.join(AVAILABLE_MODES)})",
+                "the switch would fail at its first step",
+                [f"kproxy switch --to {m}" for m in AVAILABLE_MODES if m != ctx.current_mode][:1],
+            )
+        )
+    if ctx.current_mode == ctx.target:
+        out.append(
+            info(
+                "mode.same",
+                f"the node already runs {ctx.target} mode: a switch would be refused",
+                facts={"mode": ctx.target},
+            )
+        )
+    return out
+
+
+def check_mode_in_file(ctx: Context) -> list[Finding]:
+    cfg = ctx.config
+    if cfg is None or ctx.config_path is None:
+        return []
+    if cfg.effective_mode == ctx.target:
+        return []
+    said = f"mode: {cfg.mode}" if cfg.mode else "no mode (blank means iptables)"
+    return [
+        warn(
+            "config.mode-differs",
+            f"{ctx.config_path} says {said}, not {ctx.target}",
+            "a live switch does not change the file: the next restart goes back to "
+            f"{cfg.effective_mode} mode (with a cleanup of {ctx.target}'s state)",
+            [yq(ctx, f'.mode = "{ctx.target}"') + "  # kproxy watching it switches by itself"],
+            facts={"file_mode": cfg.mode, "target": ctx.target},
+        )
+    ]
+
+
+def _masq_section(mode: str) -> str:
+    return "nftables" if mode == "nftables" else "iptables"
+
+
+def _section_values(cfg: ProxyConfig, mode: str) -> tuple[bool, float, float]:
+    c = cfg.model_copy(update={"mode": mode})
+    return c.masquerade_all, c.sync_period, c.min_sync_period
+
+
+def check_per_mode_sections(ctx: Context) -> list[Finding]:
+    """masqueradeAll and the sync periods come from the mode's own section: a switch can
+    change them without anyone editing anything."""
+    cur = ctx.current_mode
+    if cur is None or cur == ctx.target:
+        return []
+    cfg = ctx.config or ProxyConfig()
+    old = _section_values(cfg, cur)
+    new = _section_values(cfg, ctx.target)
+    out = []
+    if old[0] != new[0]:
+        sec_old = "nftables" if cur == "nftables" else "iptables"
+        sec_new = "nftables" if ctx.target == "nftables" else "iptables"
+        out.append(
+            warn(
+                "config.masquerade-all-changes",
+                f"masqueradeAll is {str(old[0]).lower()} in {cur} mode ({sec_old}.masqueradeAll) "
+                f"but {str(new[0]).lower()} in {ctx.target} mode ({sec_new}.masqueradeAll)",
+                "the switch changes which traffic is SNATed: "
+                + (
+                    "clients that relied on masquerading (asymmetric routes) break"
+                    if old[0]
+                    else "endpoints start seeing the node's address instead of the client's"
+                ),
+                [yq(ctx, f".{sec_new}.masqueradeAll = {str(old[0]).lower()}")],
+                facts={"current": old[0], "target": new[0]},
+            )
+        )
+    changed = [
+        f"{name} {format_duration(a)} -> {format_duration(b)}"
+        for name, a, b in (("syncPeriod", old[1], new[1]), ("minSyncPeriod", old[2], new[2]))
+        if a != b
+    ]
+    if changed:
+        out.append(
+            info(
+                "config.sync-periods-change",
+                f"sync periods change with the mode: {', '.join(changed)}",
+                "each mode reads its own section of the file",
+                facts={"current": old[1:], "target": new[1:]},
+            )
+        )
+    return out
+
+
+def _nets(texts: Iterable[str]) -> list[Net]:
+    out = []
+    for t in texts:
+        try:
+            out.append(ipaddress.ip_network(t.strip(), strict=False))
+        except ValueError:
+            continue
+    return out
+
+
+def check_exclude_cidrs(ctx: Context) -> list[Finding]:
+    excluded = _nets(ctx.target_config.ipvs.exclude_cidrs)
+    if not excluded:
+        return []
+    named: list[tuple[str, Net]] = [("clusterCIDR", n) for n in ctx.cluster_cidrs]
+    named += [("the node's podCIDR", n) for n in ctx.pod_cidrs]
+    hits: list[str] = []
+    for ex in excluded:
+        for what, net in named:
+            if ex.version == net.version and ex.overlaps(net):
+                hits.append(f"{ex} overlaps {what} {net}")
+    snap = ctx.snapshot
+    if snap is not None:
+        ips: dict[str, str] = {}
+        for sp in snap.services.values():
+            for ip in (sp.cluster_ip, *sp.external_ips, *sp.load_balancer_ips):
+                ips.setdefault(ip, str(sp.name))
+        for ex in excluded:
+            inside = sorted(ip for ip in ips if ipaddress.ip_address(ip) in ex)
+            if inside:
+                hits.append(
+                    f"{ex} contains {len(inside)} service addresses ({', '.join(inside[:3])}"
+                    f"{', ...' if len(inside) > 3 else ''})"
+                )
+    if not hits:
+        return []
+    ipvs = ctx.target == "ipvs"
+    return [
+        (block if ipvs else warn)(
+            "config.exclude-cidrs-overlap",
+            "ipvs.excludeCIDRs swallows cluster addresses: " + "; ".join(hits),
+            "IPVS virtual servers in excludeCIDRs are never cleaned up: services deleted or "
+            "moved there keep their old virtual servers and endpoints forever"
+            + (
+                "" if ipvs else f" (ignored in {ctx.target} mode, but it bites on a switch to ipvs)"
+            ),
+            [
+                yq(ctx, "del(.ipvs.excludeCIDRs)")
+                + "  # or list only ranges other software's virtual servers use"
+            ],
+            facts={"exclude_cidrs": [str(e) for e in excluded], "overlaps": hits},
+        )
+    ]
+
+
+def check_masquerade_all(ctx: Context) -> list[Finding]:
+    if not ctx.target_config.masquerade_all:
+        return []
+    return [
+        warn(
+            "config.masquerade-all",
+            f"masqueradeAll is on for {ctx.target} mode: every connection to a service is "
+            "SNATed to the node's address",
+            "endpoints never see client IPs (access logs, NetworkPolicy by source, "
+            "externalTrafficPolicy Local's point) and every connection costs a conntrack "
+            "SNAT entry",
+            [yq(ctx, f".{_masq_section(ctx.target)}.masqueradeAll = false")],
+        )
+    ]
+
+
+def check_min_sync(ctx: Context, rate: float | None = None) -> list[Finding]:
+    cfg = ctx.target_config
+    if cfg.min_sync_period > 0:
+        return []
+    rate = ctx_rate(ctx) if rate is None else rate
+    section = (
+        "ipvs" if ctx.target == "ipvs" else "nftables" if ctx.target == "nftables" else "iptables"
+    )
+    fix = [yq(ctx, f'.{section}.minSyncPeriod = "1s"')]
+    if rate is not None and rate > HIGH_CHANGE_RATE:
+        return [
+            warn(
+                "config.min-sync-zero",
+                f"{section}.minSyncPeriod is 0 and objects change {rate:.1f} times per second",
+                "every change starts a sync at once: syncs run back to back, burn CPU and "
+                "hold the iptables lock (#48107) instead of batching",
+                fix,
+                facts={"rate": round(rate, 2)},
+            )
+        ]
+    return [
+        info(
+            "config.min-sync-zero",
+            f"{section}.minSyncPeriod is 0: every change syncs at once"
+            + (f" (about {rate:.2f} changes/s now)" if rate is not None else ""),
+            "fine while changes are rare; at a high change rate syncs run back to back",
+            fix,
+            facts={"rate": rate},
+        )
+    ]
+
+
+def ctx_rate(ctx: Context) -> float | None:
+    """Changes per second of the running kproxy (tracker generation over its uptime)."""
+    st = ctx.status or {}
+    gen, uptime = st.get("generation"), st.get("uptime")
+    if isinstance(gen, int) and isinstance(uptime, int | float) and uptime > 0:
+        return gen / uptime
+    return None
+
+
+def check_strict_arp(ctx: Context) -> list[Finding]:
+    cfg = ctx.target_config.ipvs
+    if cfg.strict_arp:
+        return []
+    snap = ctx.snapshot
+    lbs = (
+        sorted({ip for sp in snap.services.values() for ip in sp.load_balancer_ips}) if snap else []
+    )
+    found = "ipvs.strictARP is off" + (
+        f" and {len(lbs)} LoadBalancer IPs exist ({', '.join(lbs[:3])})" if lbs else ""
+    )
+    make = warn if lbs or snap is None else info
+    return [
+        make(
+            "config.strict-arp-off",
+            found,
+            "ipvs mode binds every service IP to kube-ipvs0, so the node answers ARP for "
+            "LoadBalancer IPs: an ARP-announcing load balancer (MetalLB L2) loses its traffic "
+            "to whichever node answers first (metallb#153)",
+            [yq(ctx, ".ipvs.strictARP = true") + "  # arp_ignore=1, arp_announce=2"],
+            facts={"load_balancer_ips": lbs},
+        )
+    ]
+
+
+def nodeport_matches(ctx: Context) -> tuple[list[str], list[str]] | None:
+    """(the nodePortAddresses entries, the local addresses they match); None = match-all."""
+    entries = list(ctx.target_config.effective_node_port_addresses)
+    if not entries or not ctx.addresses:
+        return None  # match-all, or the addresses could not be read (noted by the context)
+    local = [a for _, a, _ in ctx.addresses]
+    if ctx.target == "nftables":
+        local = [a for a in local if not ipaddress.ip_address(a).is_loopback]
+    matched: list[str] = []
+    for entry in entries:
+        if entry == "primary":
+            matched += [ip for ip in ctx.node_ips if ip in local or not local]
+            continue
+        try:
+            net = ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            continue
+        if net.prefixlen == 0 and net.version == 4:
+            return None
+        matched += [a for a in local if ipaddress.ip_address(a) in net]
+    return entries, list(dict.fromkeys(matched))
+
+
+def check_node_port_addresses(ctx: Context) -> list[Finding]:
+    result = nodeport_matches(ctx)
+    if result is None:
+        return []
+    entries, matched = result
+    if matched:
+        return []
+    snap = ctx.snapshot
+    nodeports = (
+        sorted({sp.node_port for sp in snap.services.values() if sp.node_port}) if snap else []
+    )
+    make = block if nodeports else warn
+    local = ", ".join(a for _, a, _ in ctx.addresses) or "none read"
+    return [
+        make(
+            "config.nodeport-addresses-match-nothing",
+            f"nodePortAddresses {entries} match none of the node's addresses ({local})"
+            + (f"; {len(nodeports)} NodePorts exist" if nodeports else ""),
+            f"{ctx.target} mode would serve NodePorts (and LoadBalancer traffic through them) "
+            "on no address at all",
+            [
+                yq(ctx, '.nodePortAddresses = ["primary"]') + "  # or CIDRs of its addresses",
+                "ip -4 addr show",
+            ],
+            facts={"node_port_addresses": entries, "node_ports": nodeports[:20]},
+        )
+    ]
+
+
+def check_cluster_cidr(ctx: Context) -> list[Finding]:
+    cfg = ctx.target_config
+    mode = cfg.effective_detect_local_mode
+    if mode == "ClusterCIDR" and not cfg.cluster_cidr:
+        pods = ", ".join(str(c) for c in ctx.pod_cidrs)
+        guess = str(ctx.pod_cidrs[0].supernet(new_prefix=16)) if ctx.pod_cidrs else "10.244.0.0/16"
+        return [
+            warn(
+                "config.cluster-cidr-missing",
+                "clusterCIDR is not set (detectLocalMode ClusterCIDR)"
+                + (f"; this node's podCIDR is {pods}" if pods else ""),
+                "without it kproxy cannot tell pod traffic from outside traffic: traffic from "
+                "outside the cluster to ClusterIPs is not masqueraded (replies from other "
+                "nodes' endpoints go back around the proxy) and externalTrafficPolicy Local "
+                "does not short-circuit pods",
+                [yq(ctx, f'.clusterCIDR = "{guess}"') + "  # the cluster's pod CIDR"],
+            )
+        ]
+    if mode == "NodeCIDR" and ctx.snapshot is not None and not ctx.pod_cidrs:
+        return [
+            warn(
+                "config.node-cidr-missing",
+                "detectLocalMode is NodeCIDR but the Node object has no podCIDR",
+                "local-traffic detection does nothing until the node gets a podCIDR",
+                ["kubectl get node -o jsonpath='{.spec.podCIDRs}'"],
+            )
+        ]
+    return []
+
+
+CHECKS = (
+    Check("config", check_loads),
+    Check("config", check_target_mode),
+    Check("config", check_mode_in_file),
+    Check("config", check_per_mode_sections),
+    Check("config", check_exclude_cidrs),
+    Check("config", check_masquerade_all),
+    Check("config", check_min_sync),
+    Check("config", check_strict_arp, ("ipvs",)),
+    Check("config", check_node_port_addresses, ("iptables", "nftables", "ipvs")),
+    Check("config", check_cluster_cidr, ("iptables", "nftables", "ipvs")),
+)

@@ -1,0 +1,169 @@
+"""The dataplane serving now agrees with the objects, and no other mode's state is around.
+
+Presence is read with ops.snapshot.services() from the kernel snapshot the backup took (no
+second read), against switch.expected_destinations() of the objects: the very comparison
+the switch's verify step makes for the new mode, made here for the old one. Leftovers
+come from leftovers.clean_leftovers(dry_run=True), which lists and never removes.
+"""
+
+from __future__ import annotations
+
+from kproxy.dataplane.base import OwnedObject
+from kproxy.ops.preflight.backup import planes_of
+from kproxy.ops.preflight.context import Check, Context
+from kproxy.ops.preflight.findings import Finding, info, warn
+from kproxy.ops.snapshot import ServiceKey, services
+
+MAX_SHOWN = 10
+
+
+def _shown(keys: list[ServiceKey], names: dict[ServiceKey, str]) -> str:
+    parts = [f"{k} ({names.get(k) or 'unnamed'})" for k in keys[:MAX_SHOWN]]
+    more = f", and {len(keys) - MAX_SHOWN} more" if len(keys) > MAX_SHOWN else ""
+    return ", ".join(parts) + more
+
+
+def check_consistency(ctx: Context) -> list[Finding]:
+    mode, snap = ctx.current_mode, ctx.snapshot
+    if mode is None or snap is None:
+        return []
+    from kproxy.switch import expected_destinations
+
+    found = services(ctx.kernel_snapshot)
+    planes = planes_of(mode, ctx.current_flavour, found)
+    programmed: dict[ServiceKey, str] = {}
+    for p in planes:
+        programmed.update(found.get(p, {}))
+    expected = expected_destinations(snap)
+    names = {
+        ServiceKey(ip, sp.protocol.lower, sp.port): str(sp.name)
+        for sp in snap.services.values()
+        for ip in (sp.cluster_ip, *sp.external_ips, *sp.load_balancer_ips)
+    }
+    missing = sorted(expected - set(programmed))
+    extra = sorted(set(programmed) - expected)
+    out = []
+    where = ", ".join(planes)
+    if missing:
+        out.append(
+            warn(
+                "dataplane.missing-services",
+                f"{len(missing)} of {len(expected)} service destinations of the objects are not "
+                f"in the kernel's {where} rules: {_shown(missing, names)}",
+                f"those services do not work in {mode} mode now, and a rollback to it would not "
+                "bring them back; someone removed rules (a firewall reload, a manual flush) or "
+                "the last sync failed",
+                [
+                    "kproxy status  # the last sync error",
+                    f"kproxy list --mode {mode} --source {ctx.source}"
+                    if ctx.source
+                    else f"kproxy list --mode {mode}",
+                    "systemctl restart kproxy  # or wait for the next periodic full sync",
+                ],
+                facts={"missing": [str(k) for k in missing], "dataplane": planes},
+            )
+        )
+    if extra:
+        out.append(
+            warn(
+                "dataplane.extra-services",
+                f"the kernel's {where} rules program {len(extra)} destinations the objects do "
+                f"not have: {_shown(extra, programmed)}",
+                "stale rules (another kube-proxy writing the same tables, or objects deleted "
+                "while the proxy was down) send traffic to old endpoints",
+                [f"kproxy list --mode {mode}", "ps -ef | grep -e kube-proxy -e kproxy"],
+                facts={"extra": [str(k) for k in extra], "dataplane": planes},
+            )
+        )
+    return out
+
+
+_ORDER = ("iptables-rule", "iptables-chain", "nft-table", "interface", "ipset")
+
+
+def removal_commands(objs: list[OwnedObject]) -> list[str]:
+    """Exact commands that remove these objects, in the order that works (#109286)."""
+    cmds: list[str] = []
+    ranked = sorted(objs, key=lambda o: _ORDER.index(o.kind) if o.kind in _ORDER else 9)
+    for o in ranked:
+        if o.kind in ("iptables-rule", "iptables-chain"):
+            tool, _, table = o.where.partition(" ")
+            if o.kind == "iptables-rule":
+                rule = o.name[3:] if o.name.startswith("-A ") else o.name
+                cmds.append(f"{tool} -t {table} -D {rule}")
+            else:
+                cmds.append(f"{tool} -t {table} -F {o.name} && {tool} -t {table} -X {o.name}")
+        elif o.kind == "nft-table":
+            cmds.append(f"nft delete table {o.name}")
+        elif o.kind == "interface":
+            cmds.append(f"ip link delete {o.name}")
+        elif o.kind == "ipset":
+            cmds.append(f"ipset destroy {o.name}")
+        elif o.kind == "process":
+            cmds.append(f"kill {o.name.removeprefix('pid ')}")
+        elif o.kind == "ip-rule":
+            cmds.append(f"ip rule del {o.name}")
+        elif o.kind == "ip-route":
+            cmds.append(f"ip route flush {o.name}")
+    return cmds
+
+
+def check_leftovers(ctx: Context) -> list[Finding]:
+    from kproxy.leftovers import clean_leftovers
+
+    keep = ctx.current_mode or ""
+    objs = clean_leftovers(
+        keep,
+        iptables_flavour=ctx.current_flavour,
+        netns=ctx.access.netns,
+        dry_run=True,
+        state_dir=ctx.state_dir,
+    )
+    if not objs:
+        return []
+    target_own = [o for o in objs if _mode_of(o) == ctx.target]
+    others = [o for o in objs if o not in target_own]
+    out = []
+    if others:
+        kinds: dict[str, int] = {}
+        for o in others:
+            kinds[o.kind] = kinds.get(o.kind, 0) + 1
+        summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        out.append(
+            warn(
+                "dataplane.leftovers",
+                f"state of other proxy modes is on the node ({summary}): "
+                + "; ".join(str(o) for o in others[:5])
+                + ("; ..." if len(others) > 5 else ""),
+                "leftovers stay in the packet path: stale REJECT rules break pods (#102314), "
+                "kube-ipvs0 keeps every ClusterIP bound on the node (k3s#5643); a switch "
+                "removes only the mode it leaves",
+                removal_commands(others)[:30]
+                or ["kproxy cleanup --dry-run  # then remove them by hand"],
+                facts={"objects": [str(o) for o in others]},
+            )
+        )
+    if target_own:
+        out.append(
+            info(
+                "dataplane.target-state-present",
+                f"{ctx.target} mode's state is already on the node ({len(target_own)} objects, "
+                f"e.g. {target_own[0]}): the switch adopts and rewrites it",
+                facts={"objects": [str(o) for o in target_own]},
+            )
+        )
+    return out
+
+
+def _mode_of(o: OwnedObject) -> str:
+    if o.kind == "nft-table" and "kube-proxy" in o.name:
+        return "nftables"
+    if o.kind in ("ipset", "interface"):
+        return "ipvs"
+    return ""
+
+
+CHECKS = (
+    Check("dataplane", check_consistency, needs_source=True),
+    Check("dataplane", check_leftovers),
+)

@@ -1,0 +1,259 @@
+"""Run the checks that apply to a target mode and collect one report.
+
+Which checks run: every family's CHECKS whose modes include the target; object and
+consistency checks need --source. A check that crashes becomes a warning naming it (a
+preflight must never be the thing that fails). Reads happen in `access.netns` (None: the
+caller's namespace), so tests point a whole run at a lab node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kproxy.config import ProxyConfig
+from kproxy.ops.preflight import (
+    backup,
+    config_checks,
+    conntrack,
+    dataplane,
+    kernel,
+    objects,
+    sysctls,
+)
+from kproxy.ops.preflight.access import NodeAccess
+from kproxy.ops.preflight.context import Check, Context
+from kproxy.ops.preflight.findings import (
+    Finding,
+    counts,
+    dumps,
+    exit_code,
+    findings_json,
+    render_text,
+    warn,
+)
+
+log = logging.getLogger("kproxy.preflight")
+
+# Order of the report: what the switch needs to even start, then the node, then the data.
+FAMILIES: dict[str, Sequence[Check]] = {
+    "config": config_checks.CHECKS,
+    "kernel": kernel.CHECKS,
+    "sysctls": sysctls.CHECKS,
+    "conntrack": conntrack.CHECKS,
+    "objects": objects.CHECKS,
+    "dataplane": dataplane.CHECKS,
+    "backup": backup.CHECKS,
+}
+
+
+@dataclass
+class PreflightResult:
+    target: str
+    current_mode: str | None
+    current_flavour: str | None
+    node: str
+    netns: str | None
+    findings: list[Finding]
+    ran: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.findings)
+
+    @property
+    def safe(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def blocking(self) -> list[Finding]:
+        return [f for f in self.findings if f.blocks]
+
+    def ids(self) -> list[str]:
+        return [f.id for f in self.findings]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "current_mode": self.current_mode,
+            "current_flavour": self.current_flavour,
+            "node": self.node,
+            "netns": self.netns,
+            "safe": self.safe,
+            "exit_code": self.exit_code,
+            "counts": counts(self.findings),
+            "findings": findings_json(self.findings),
+            "checks_run": self.ran,
+            "checks_skipped": self.skipped,
+            "notes": self.notes,
+            "seconds": round(self.seconds, 3),
+        }
+
+    def to_json(self) -> str:
+        return dumps(self.to_dict())
+
+    def header(self) -> str:
+        cur = self.current_mode or "no proxy mode"
+        if self.current_flavour and self.current_mode in ("iptables", "userspace"):
+            cur += f" (iptables-{self.current_flavour})"
+        where = f", network namespace {self.netns}" if self.netns else ""
+        return f"kproxy preflight: {cur} -> {self.target} on node {self.node}{where}"
+
+    def verdict(self) -> str:
+        if self.safe:
+            return f"SAFE: nothing blocks a switch to {self.target}"
+        return f"BLOCKED: {len(self.blocking)} problem(s) make a switch to {self.target} unsafe"
+
+    def print_text(self, console: Any = None) -> None:
+        render_text(self.findings, header=self.header(), verdict=self.verdict(), console=console)
+        for n in self.notes:
+            (console.print if console else print)(f"note: {n}")
+
+
+def detect_current(snap: dict[str, Any]) -> tuple[str | None, str | None, list[str]]:
+    """(mode, iptables flavour, notes) of the dataplane hooked into the kernel now."""
+    live: list[tuple[str, str | None]] = []
+    for fl in ("nft", "legacy"):
+        text = snap.get(f"iptables-{fl}", {}).get("output", "")
+        if "-j KUBE-PORTALS-CONTAINER" in text:
+            live.append(("userspace", fl))
+        elif "-j KUBE-SERVICES" in text and ":KUBE-SERVICES" in text:
+            live.append(("iptables", fl))
+    if backup.nft_has_kube_proxy(snap.get("nftables", {}).get("output", "")):
+        live.append(("nftables", None))
+    if "-A -" in snap.get("ipvs", {}).get("output", ""):
+        live.append(("ipvs", None))
+    notes = []
+    if len(live) > 1:
+        notes.append(
+            "more than one proxy mode is hooked into the kernel: "
+            + ", ".join(m + (f" (iptables-{f})" if f else "") for m, f in live)
+        )
+    if not live:
+        return None, None, notes
+    return live[0][0], live[0][1], notes
+
+
+def daemon_uptime(pid: int) -> float | None:
+    """Seconds since the process started (from /proc; None when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return max(0.0, uptime - int(fields[19]) / ticks)
+
+
+def daemon_inputs(pid: int) -> dict[str, Path]:
+    """--config and --source of a running `kproxy run`, from its command line (read only)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return {}
+    args = [a.decode(errors="replace") for a in argv if a]
+    out: dict[str, Path] = {}
+    for i, arg in enumerate(args):
+        for flag in ("--config", "--source"):
+            value = None
+            if arg == flag and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            if value:
+                out[flag.lstrip("-")] = cwd / value
+    return out
+
+
+def run_preflight(
+    target: str,
+    *,
+    access: NodeAccess | None = None,
+    config_path: Path | None = None,
+    source: Path | None = None,
+    state_dir: Path | None = None,
+    status: dict[str, Any] | None = None,
+    current_mode: str | None = None,
+    current_flavour: str | None = None,
+    node_name: str | None = None,
+    backup_path: Path | None = None,
+    config: ProxyConfig | None = None,
+    objects: list[dict[str, Any]] | None = None,
+    snapshot_taker: Callable[[str | None], dict[str, Any]] | None = None,
+    families: Sequence[str] | None = None,
+) -> PreflightResult:
+    """All checks for a switch to `target` (validated by the caller: one of the modes)."""
+    started = time.monotonic()
+    acc = access or NodeAccess()
+    status = dict(status) if status else None
+    if status and isinstance(status.get("pid"), int) and "uptime" not in status:
+        status["uptime"] = daemon_uptime(status["pid"])
+    ctx = Context(
+        target=target,
+        access=acc,
+        config_path=config_path,
+        source=source,
+        status=status,
+        node_name=(node_name or (status or {}).get("node") or socket.gethostname()).lower(),
+        state_dir=state_dir,
+        backup_path=backup_path,
+        config_override=config,
+        objects_override=objects,
+        snapshot_taker=snapshot_taker,
+    )
+    detected, flavour, notes = detect_current(ctx.kernel_snapshot)
+    ctx.notes += notes
+    ctx.current_mode = current_mode or (status or {}).get("mode") or detected
+    ctx.current_flavour = current_flavour or (flavour if ctx.current_mode == detected else None)
+    if ctx.current_flavour is None and ctx.current_mode in ("iptables", "userspace"):
+        ctx.current_flavour = _flavour_with_state(ctx.kernel_snapshot, ctx.current_mode)
+    result = PreflightResult(
+        target, ctx.current_mode, ctx.current_flavour, ctx.node_name, acc.netns, findings=[]
+    )
+    for family, checks in FAMILIES.items():
+        if families is not None and family not in families:
+            continue
+        for check in checks:
+            if target not in check.modes:
+                result.skipped[check.name] = f"does not apply to {target} mode"
+                continue
+            if check.needs_source and ctx.objects is None:
+                result.skipped[check.name] = "needs --source (the Services and EndpointSlices)"
+                continue
+            try:
+                result.findings += check.fn(ctx)
+            except Exception as err:  # a broken check must not hide the others
+                log.exception("preflight check %s failed", check.name)
+                result.findings.append(
+                    warn(
+                        "preflight.check-failed",
+                        f"the check {check.name} failed: {type(err).__name__}: {err}",
+                        "its condition was not checked",
+                        subject=check.name,
+                    )
+                )
+            result.ran.append(check.name)
+    if ctx.objects is None:
+        ctx.notes.append("no --source given: object and consistency checks skipped")
+    result.notes = ctx.notes
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _flavour_with_state(snap: dict[str, Any], mode: str) -> str | None:
+    marker = ":KUBE-PORTALS-CONTAINER" if mode == "userspace" else ":KUBE-SERVICES"
+    for fl in ("nft", "legacy"):
+        if marker in snap.get(f"iptables-{fl}", {}).get("output", ""):
+            return fl
+    return None
