@@ -66,14 +66,24 @@ class Inputs:
     source: Path | None
     status: dict[str, Any] | None
     notes: list[str] = field(default_factory=list)
+    netns: str | None = None  # the running kproxy's network namespace, when not ours
 
 
-def resolve_inputs(state_dir: Path, config_path: Path | None, source: Path | None) -> Inputs:
+def resolve_inputs(
+    state_dir: Path, config_path: Path | None, source: Path | None, netns: str | None = None
+) -> Inputs:
     status = running_status(state_dir)
     notes = []
     if status is not None and isinstance(status.get("pid"), int):
-        from kproxy.ops.preflight.run import daemon_inputs
+        from kproxy.ops.preflight.run import ForeignNetns, daemon_inputs, daemon_netns
 
+        if netns is None:
+            try:
+                netns = daemon_netns(status["pid"])
+            except ForeignNetns as err:
+                raise UsageError(str(err)) from None
+            if netns is not None:
+                notes.append(f"checked in network namespace {netns}: the running kproxy's")
         found = daemon_inputs(status["pid"])
         if config_path is None and "config" in found:
             config_path = found["config"]
@@ -86,7 +96,7 @@ def resolve_inputs(state_dir: Path, config_path: Path | None, source: Path | Non
     for path, flag in ((config_path, "--config"), (source, "--source")):
         if path is not None and not path.exists():
             raise UsageError(f"{flag}: {path} does not exist")
-    return Inputs(config_path, source, status, notes)
+    return Inputs(config_path, source, status, notes, netns)
 
 
 def preflight_command(
@@ -147,12 +157,12 @@ def preflight_command(
         if current is not None:
             check_mode_name(current)
         _check_netns(netns)
-        inputs = resolve_inputs(state_dir, config_path, source)
+        inputs = resolve_inputs(state_dir, config_path, source, netns)
     except UsageError as err:
         raise _fail(str(err)) from None
     result = run_preflight(
         target,
-        access=NodeAccess(netns=netns),
+        access=NodeAccess(netns=inputs.netns),
         config_path=inputs.config_path,
         source=inputs.source,
         state_dir=state_dir,
@@ -232,8 +242,11 @@ def switch_gate(
     if not target:
         return None
     target = check_mode_name(target)
+    from kproxy.ops.preflight.access import NodeAccess
+
     result = run_preflight(
         target,
+        access=NodeAccess(netns=inputs.netns),
         config_path=inputs.config_path,
         source=inputs.source,
         state_dir=state_dir,

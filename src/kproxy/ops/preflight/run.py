@@ -155,6 +155,37 @@ def daemon_uptime(pid: int) -> float | None:
     return max(0.0, uptime - int(fields[19]) / ticks)
 
 
+class ForeignNetns(Exception):
+    """The proxy runs in a network namespace this process cannot name (no /run/netns entry)."""
+
+
+def daemon_netns(pid: int) -> str | None:
+    """The named network namespace (`ip netns` name) the process runs in; None when it is
+    ours. A switch is often run from another namespace than the proxy's (the admin socket is
+    a file), and every check must read the proxy's namespace, not the caller's."""
+    try:
+        theirs = os.stat(f"/proc/{pid}/ns/net").st_ino
+        ours = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return None  # gone, or not ours to inspect: read our own
+    if theirs == ours:
+        return None
+    try:
+        names = sorted(os.listdir("/run/netns"))
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            if os.stat(f"/run/netns/{name}").st_ino == theirs:
+                return name
+        except OSError:
+            continue
+    raise ForeignNetns(
+        f"kproxy (pid {pid}) runs in a network namespace without an `ip netns` name: run "
+        "preflight inside it (nsenter --net=/proc/PID/ns/net kproxy preflight ...)"
+    )
+
+
 def daemon_inputs(pid: int) -> dict[str, Path]:
     """--config and --source of a running `kproxy run`, from its command line (read only)."""
     try:
