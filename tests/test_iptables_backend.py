@@ -17,6 +17,7 @@ from kproxy.dataplane.iptables.backend import (
     RestoreError,
     command_wait_flags,
     detect_backend,
+    outline_save,
     parse_failed_line,
     parse_save,
     parse_version,
@@ -24,6 +25,7 @@ from kproxy.dataplane.iptables.backend import (
     restore_wait_flags,
     rule_spec,
 )
+from kproxy.dataplane.iptables.render import JUMPS, jump_rule
 from kproxy.dataplane.nodefacts import (
     detect_node_facts,
     interface_addresses,
@@ -238,6 +240,19 @@ def test_parse_save_and_views() -> None:
     assert all("-t" not in argv for argv, _ in fake.calls)
 
 
+def test_outline_keeps_chains_and_builtin_rules_only() -> None:
+    outlines = outline_save(SAVE)
+    assert outlines["nat"].chains == {"PREROUTING", "KUBE-SERVICES", "KUBE-SVC-X"}
+    assert outlines["nat"].builtin_rules == {
+        '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES'}
+    assert outlines["filter"].builtin_rules == {"-A INPUT -j KUBE-FIREWALL"}
+    fake = FakeRunner()
+    fake.on(has("iptables-legacy-save"), out=SAVE)
+    got = IptablesBackend("legacy", runner=fake).outlines(("nat", "filter", "mangle"))
+    assert got["mangle"].chains == set() and got["nat"].chains == outlines["nat"].chains
+    assert len(fake.calls) == 1, "legacy reads every table from one save"
+
+
 def test_rule_spec_unquotes_comments() -> None:
     assert rule_spec('-A PREROUTING -m comment --comment "kubernetes service portals" -j X') == [
         "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", "X"]
@@ -347,6 +362,32 @@ def test_restore_creates_chains_and_save_parses(flavour: str,
     other = IptablesBackend("legacy" if flavour == "nft" else "nft", netns=ns)
     assert "KUBE-SVC-TEST" not in other.chains("nat")
     assert backend.version() >= (1, 8, 0) and backend.supports_random_fully()
+
+
+@kernel
+@needs_root
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_our_jumps_print_in_the_save_exactly_as_we_write_them(
+    flavour: str, make_netns: Callable[[], str]
+) -> None:
+    # Full syncs find jumps in place by text (no -C per jump): that needs the save to print
+    # each jump the way the renderer writes it.
+    ns = make_netns()
+    backend = IptablesBackend(flavour, netns=ns)
+    wanted: dict[str, list[str]] = {"nat": [], "filter": []}
+    for table, chain, extra, comment, target in JUMPS:
+        wanted[table].append(jump_rule(chain, extra, comment, target))
+    targets = {t for _, _, _, _, t in JUMPS}
+    data = ""
+    for table, rules in wanted.items():
+        chains = sorted({r.rsplit(" -j ", 1)[1] for r in rules} & targets)
+        data += f"*{table}\n" + "".join(f":{c} - [0:0]\n" for c in chains)
+        data += "".join(f"-A {r}\n" for r in rules) + "COMMIT\n"
+    backend.restore(data)
+    outlines = backend.outlines(("nat", "filter"))
+    for table, rules in wanted.items():
+        for rule in rules:
+            assert f"-A {rule}" in outlines[table].builtin_rules, (table, rule)
 
 
 @kernel

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from kproxy.dataplane.base import SyncError
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables import names
-from kproxy.dataplane.iptables.backend import RestoreError
+from kproxy.dataplane.iptables.backend import IptablesBackend, RestoreError, TableOutline
 from kproxy.dataplane.iptables.proxier import IptablesDataplane
 from kproxy.model.objects import ServicePortName
 from kproxy.model.snapshot import ChangeTracker
@@ -26,6 +27,7 @@ class FakeBackend:
         self.nat_chains: set[str] = set()
         self.rules_present: set[tuple[str, str]] = set()
         self.fail_next: str | None = None
+        self.checks = 0  # iptables -C calls
 
     def restore(self, data: str, *, noflush: bool = True, counters: bool = True) -> None:
         assert noflush, "kproxy never restores without --noflush"
@@ -59,9 +61,21 @@ class FakeBackend:
     def chains(self, table: str) -> set[str]:
         return set(self.nat_chains) if table == "nat" else set()
 
+    def outlines(self, tables: Sequence[str]) -> dict[str, TableOutline]:
+        return {
+            t: TableOutline(
+                chains=self.chains(t),
+                builtin_rules={f"-A {r}" for tt, r in self.rules_present if tt == t},
+            )
+            for t in tables
+        }
+
+    rule_present = IptablesBackend.rule_present
+
     def check_rule(self, table: str, spec: list[str]) -> bool:
         import shlex
 
+        self.checks += 1
         return (table, shlex.join(spec).replace("'", '"')) in self.rules_present
 
 
@@ -122,8 +136,27 @@ def test_first_sync_is_full_and_inserts_missing_jumps_once(
         '-I PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES' in first
     )
     assert "-A INPUT -j KUBE-FIREWALL" in first
+    backend.checks = 0
     plane.sync(t.snapshot(), full=True)
     assert "-I " not in backend.restores[-1], "jumps already in place are not added again"
+    assert backend.checks == 0, "jumps found in the save need no iptables -C"
+
+
+def test_a_jump_that_prints_differently_is_confirmed_by_check_not_duplicated(
+    dp: tuple[IptablesDataplane, FakeBackend],
+) -> None:
+    plane, backend = dp
+    t = tracker_with(*svc(1))
+    plane.sync(t.snapshot(), full=True)
+    real_outlines = backend.outlines
+    # An older iptables printed the jumps in another form: the text search misses them all.
+    backend.outlines = lambda tables: {  # type: ignore[method-assign]
+        k: TableOutline(chains=v.chains) for k, v in real_outlines(tables).items()
+    }
+    backend.checks = 0
+    plane.sync(t.snapshot(), full=True)
+    assert backend.checks > 0
+    assert "-I " not in backend.restores[-1]
 
 
 def test_partial_sync_writes_only_the_changed_service(
