@@ -401,16 +401,71 @@ def test_rules_flushed_by_someone_else_come_back(env: Env) -> None:
 
 # --- observability ------------------------------------------------------------------------------
 
-FETCH = (
-    "import sys, urllib.request as u; r = u.urlopen(sys.argv[1]); print(r.status); "
-    "print(r.read().decode())"
-)
+FETCH = """
+import sys, urllib.error as e, urllib.request as u
+try:
+    r = u.urlopen(sys.argv[1], timeout=3)
+except e.HTTPError as err:
+    r = err
+except OSError:
+    print(0)
+    sys.exit()
+print(r.status)
+print(r.headers.get("X-Content-Type-Options", ""), r.headers.get("Content-Type", ""))
+print(r.read().decode())
+"""
+
+
+def fetch_with_headers(env: Env, url: str, ns: str | None = None) -> tuple[int, str, str]:
+    """(HTTP status or 0 when nothing answers, selected headers, body)."""
+    argv = [sys.executable, "-c", FETCH, url]
+    out = env.lab.exec(ns or env.lab.node_ns, argv, check=False).stdout
+    code, _, rest = out.partition("\n")
+    headers, _, body = rest.partition("\n")
+    return int(code or 0), headers, body
 
 
 def fetch(env: Env, url: str) -> tuple[int, str]:
-    out = env.lab.exec(env.lab.node_ns, [sys.executable, "-c", FETCH, url], check=False).stdout
-    code, _, body = out.partition("\n")
-    return int(code or 0), body
+    code, _, body = fetch_with_headers(env, url)
+    return code, body
+
+
+def test_health_check_node_port_follows_local_endpoints(env: Env) -> None:
+    import json
+
+    hc = 32000
+    url = f"http://{env.lab.node_ip}:{hc}/"
+    web(
+        env,
+        nodes={POD_IPS[1]: "node2", POD_IPS[2]: "node2"},  # one endpoint on this node
+        type="LoadBalancer",
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=hc,
+        ports=[port("http", 80, "http", nodePort=30080)],
+    )
+    env.proxy.start()
+    client = env.lab.client_ns[0]  # what the cloud load balancer's probe looks like
+    code, headers, body = fetch_with_headers(env, url, client)
+    assert code == 200, body
+    assert headers == "nosniff application/json"
+    assert json.loads(body) == {
+        "service": {"namespace": "default", "name": "web"},
+        "localEndpoints": 1,
+        "serviceProxyHealthy": True,
+    }
+    web(
+        env,
+        nodes={ip: "node2" for ip in POD_IPS},
+        type="LoadBalancer",
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=hc,
+        ports=[port("http", 80, "http", nodePort=30080)],
+    )
+    env.sync()
+    code, _, body = fetch_with_headers(env, url, client)
+    assert code == 503 and json.loads(body)["localEndpoints"] == 0
+    (env.source / "web.yaml").unlink()
+    wait_until(lambda: fetch_with_headers(env, url, client)[0] == 0, LIVE_DEADLINE + 3)
 
 
 def test_metrics_and_health_servers_answer_like_upstream(env: Env) -> None:

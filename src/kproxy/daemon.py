@@ -12,6 +12,7 @@ from pathlib import Path
 from kproxy.config import ConfigError, ProxyConfig, load_config, rule_options
 from kproxy.conntrack import cleanup_stale_udp
 from kproxy.dataplane.base import Dataplane
+from kproxy.dataplane.iptables.render import nodeport_ips
 from kproxy.dataplane.registry import create_dataplane
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.leftovers import clean_leftovers
@@ -20,6 +21,7 @@ from kproxy.node_tuning import apply_conntrack_config, apply_oom_score
 from kproxy.server.admin import SOCKET_NAME, AdminServer
 from kproxy.server.http import HealthState, health_server, metrics_server
 from kproxy.server.metrics import ProxyMetrics
+from kproxy.server.service_health import ServiceHealthServer
 from kproxy.sources.files import FileSource
 from kproxy.switch import ModeSwitcher
 from kproxy.sync import ProxyLoop
@@ -80,6 +82,10 @@ class Daemon:
             set_sysctl("net/ipv4/conf/all/route_localnet", 1)
         self.metrics = ProxyMetrics(config.effective_mode)
         self.health = HealthState(health_timeout=2 * config.sync_period)
+        hc_ips = nodeport_ips(options, facts)
+        self.service_health = ServiceHealthServer(
+            proxy_healthy=lambda: self.health.report()[0], addresses=lambda: hc_ips
+        )
         self.state_dir = state_dir
         self.leftovers_removed: list[str] | None = None
         self.loop = ProxyLoop(
@@ -88,7 +94,13 @@ class Daemon:
             min_sync_period=config.min_sync_period,
             sync_period=config.sync_period,
             udp_cleaner=self._clean_udp,
-            observers=[self.metrics, self.health, StatusFile(self), LeftoverCleaner(self)],
+            observers=[
+                self.metrics,
+                self.health,
+                self.service_health,
+                StatusFile(self),
+                LeftoverCleaner(self),
+            ],
         )
         self.admin = AdminServer(
             (state_dir or DEFAULT_STATE_DIR) / SOCKET_NAME,
@@ -204,6 +216,7 @@ class Daemon:
         self.loop.stop()
         for server in self.servers:
             server.stop()
+        self.service_health.stop()
 
 
 class ConfigWatch:
