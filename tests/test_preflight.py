@@ -554,22 +554,28 @@ def test_node_ports_out_of_range_and_colliding(fake: FakeNode) -> None:
         service("b", "10.96.0.21", [port("p", 80, 8080, nodePort=30080)], type="NodePort"),
         service("c", "10.96.0.22", [port("p", 80, 8080, nodePort=22)], type="NodePort"),
     ]
-    nft = run(fake, "nftables", families=["objects"], objects=objs)
-    clash = one(nft, "objects.nodeport-collision")
+    moved = run(fake, "nftables", families=["objects"], objects=objs, current_mode="iptables")
+    clash = one(moved, "objects.nodeport-collision")
     assert clash.severity is Severity.BLOCK and clash.subject == "tcp/30080"
-    assert clash.fix == ("kubectl -n default edit service b",)
-    assert one(nft, "objects.nodeport-out-of-range").facts == {"node_port": 22}
-    ipt = run(fake, "iptables", families=["objects"], objects=objs)
-    assert one(ipt, "objects.nodeport-collision").severity is Severity.WARN
-    assert ipt.exit_code == 0 and nft.exit_code == 1
+    assert (
+        clash.facts["served_now"] == "default/a:p" and clash.facts["served_after"] == "default/b:p"
+    )
+    assert clash.fix == ("kubectl -n default edit service a",)
+    assert one(moved, "objects.nodeport-out-of-range").facts == {"node_port": 22}
+    assert moved.exit_code == 1
+    # the same winner before and after, or nothing serving now: a warning
+    same = run(fake, "userspace", families=["objects"], objects=objs, current_mode="iptables")
+    assert one(same, "objects.nodeport-collision").severity is Severity.WARN and same.exit_code == 0
+    fresh = run(fake, "nftables", families=["objects"], objects=objs)
+    assert one(fresh, "objects.nodeport-collision").severity is Severity.WARN
 
 
 def test_two_services_on_one_address_and_port(fake: FakeNode) -> None:
     objs = [*web_objects(), service("twin", "10.96.0.10", [port("http", 80, 8080)])]
-    f = one(
-        run(fake, "nftables", families=["objects"], objects=objs), "objects.destination-collision"
-    )
+    result = run(fake, "iptables", families=["objects"], objects=objs, current_mode="nftables")
+    f = one(result, "objects.destination-collision")
     assert f.subject == "tcp 10.96.0.10:80" and f.severity is Severity.BLOCK
+    assert f.facts["served_after"] == "default/twin:http"
 
 
 def test_slices_of_a_service_without_cluster_ip(fake: FakeNode) -> None:

@@ -2,10 +2,9 @@
 
 All reads go through kproxy.model (snapshot_from_objects for the ServicePorts the modes
 program, model.parse for the selector and the slices' ports), so a finding here is about
-exactly what the proxy would do. Collisions matter per mode: iptables lets the first rule
-win silently, while an nftables map (and IPVS) refuses a second element with the same key,
-so one duplicate NodePort fails the whole nftables transaction ("File exists", verified on
-this machine), and with it the switch.
+exactly what the proxy would do. Collisions matter per mode: two service ports on one
+NodePort (or one address and port) give the traffic to one of them, and which one depends
+on the mode, so a switch can silently move it (measured in the lab: see winner()).
 """
 
 from __future__ import annotations
@@ -167,13 +166,41 @@ def _edit(port_name: str) -> str:
     return f"kubectl -n {ns} edit service {rest.split(':')[0].split(' ')[0]}"
 
 
-def _collision_severity(ctx: Context) -> tuple[object, str]:
-    if ctx.target in ("nftables", "ipvs"):
-        return block, (
-            f"{ctx.target} mode refuses a second element with the same key: the whole sync "
-            "(and the switch) fails with 'File exists'"
+def winner(mode: str | None, names: list[str]) -> str | None:
+    """Which of several service ports sharing one destination gets its traffic in a mode
+    (measured in the lab, tests/test_preflight_kernel.py): iptables and userspace match the
+    first rule, in service-port order; nftables' map keeps the last element written. ipvs:
+    not known yet."""
+    if mode in ("iptables", "userspace"):
+        return names[0]
+    if mode == "nftables":
+        return names[-1]
+    return None
+
+
+def _collision(ctx: Context, id: str, what: str, subject: str, names: list[str]) -> Finding:
+    now, then = winner(ctx.current_mode, names), winner(ctx.target, names)
+    facts = {"services": names, "served_now": now, "served_after": then}
+    fix = [_edit(n) for n in names if n != (then or names[0])]
+    if now and then and now != then:
+        return block(
+            id,
+            f"{what} is used by {len(names)} service ports ({', '.join(names)}): "
+            f"{ctx.current_mode} mode sends it to {now}, {ctx.target} mode would send it to {then}",
+            "the switch silently moves that traffic to another service",
+            fix,
+            subject=subject,
+            facts=facts,
         )
-    return warn, "iptables rules match the first service silently; the other gets no traffic"
+    served = f"; {ctx.target} mode sends it to {then}" if then else ""
+    return warn(
+        id,
+        f"{what} is used by {len(names)} service ports ({', '.join(names)}){served}",
+        "only one of them gets the traffic, the others none; which one differs between modes",
+        fix,
+        subject=subject,
+        facts=facts,
+    )
 
 
 def check_node_ports(ctx: Context) -> list[Finding]:
@@ -205,20 +232,12 @@ def check_node_ports(ctx: Context) -> list[Finding]:
                 )
         if sp.health_check_node_port:
             users[("tcp", sp.health_check_node_port)].append(f"{sp.name.service} (health check)")
-    make, why = _collision_severity(ctx)
     for (proto, port), names in sorted(users.items()):
         distinct = sorted(set(names))
         if len(distinct) > 1:
+            what = f"NodePort {proto}/{port}"
             out.append(
-                make(  # type: ignore[operator]
-                    "objects.nodeport-collision",
-                    f"NodePort {proto}/{port} is used by {len(distinct)} service ports: "
-                    f"{', '.join(distinct)}",
-                    why,
-                    [_edit(n) for n in distinct[1:]],
-                    subject=f"{proto}/{port}",
-                    facts={"services": distinct},
-                )
+                _collision(ctx, "objects.nodeport-collision", what, f"{proto}/{port}", distinct)
             )
     dests: dict[tuple[str, str, int], list[str]] = defaultdict(list)
     for sp in snap.sorted_ports():
@@ -227,17 +246,8 @@ def check_node_ports(ctx: Context) -> list[Finding]:
     for (ip, proto, port), names in sorted(dests.items()):
         distinct = sorted(set(names))
         if len(distinct) > 1:
-            out.append(
-                make(  # type: ignore[operator]
-                    "objects.destination-collision",
-                    f"{proto} {ip}:{port} belongs to {len(distinct)} service ports: "
-                    f"{', '.join(distinct)}",
-                    why,
-                    [_edit(n) for n in distinct[1:]],
-                    subject=f"{proto} {ip}:{port}",
-                    facts={"services": distinct},
-                )
-            )
+            what = f"{proto} {ip}:{port}"
+            out.append(_collision(ctx, "objects.destination-collision", what, what, distinct))
     return out
 
 
