@@ -10,11 +10,12 @@ program's chains are never touched, which is deliberately narrower than "flush K
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 
 from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.iptables import names
-from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError, parse_save, rule_chain
+from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError, rule_chain
 
 log = logging.getLogger("kproxy.iptables.cleanup")
 
@@ -74,14 +75,12 @@ def is_owned_chain(chain: str) -> bool:
     return chain in KUBE_PROXY_CHAINS or names.is_service_chain(chain)
 
 
+_TARGET = re.compile(r" -[jg] (\S+)")
+
+
 def _target(rule: str) -> str:
-    parts = rule.split()
-    for flag in ("-j", "-g"):
-        if flag in parts:
-            i = parts.index(flag)
-            if i + 1 < len(parts):
-                return parts[i + 1]
-    return ""
+    m = _TARGET.search(rule)
+    return m.group(1) if m else ""
 
 
 def owned_state(
@@ -91,41 +90,79 @@ def owned_state(
 
     keep(chain) marks chains the running mode still uses: they are not listed, nor are
     jumps into them; rules of kept chains that jump into a listed chain are listed (they
-    would stop the chain from being deleted)."""
+    would stop the chain from being deleted).
+
+    The save is scanned line by line without being parsed into tables: at 10,000 services
+    it holds 320,000 rules of the running mode, and this runs beside it at every start."""
     where = f"iptables-{backend.flavour}"
     try:
-        tables = parse_save(backend.save())
+        text = backend.save()
     except IptablesError as err:
         log.warning("cannot read %s rules: %s", where, err)
         return []
     kept = keep or (lambda _: False)
+    verdicts: dict[str, bool] = {}
 
     def goes(chain: str) -> bool:
-        return is_owned_chain(chain) and not kept(chain)
+        verdict = verdicts.get(chain)
+        if verdict is None:
+            verdict = verdicts[chain] = is_owned_chain(chain) and not kept(chain)
+        return verdict
 
-    found: list[OwnedObject] = []
-    for table in TABLES:
-        dump = tables.get(table)
-        if dump is None:
-            continue
-        for rule in dump.rules:
-            chain, target = rule_chain(rule), _target(rule)
-            if goes(target) and not goes(chain):
-                why = (
-                    f"jumps to kube-proxy chain {target}"
-                    if not is_owned_chain(chain)
-                    else f"a rule of {chain} (kept) that jumps to leftover chain {target}"
-                )
-                found.append(OwnedObject("iptables-rule", f"{where} {table}", rule, why))
-        for chain in sorted(dump.chains):
-            if not goes(chain):
+    rules: list[OwnedObject] = []
+    chains: list[OwnedObject] = []
+    table = ""
+    going: set[str] = set()  # this table's chains that go
+    pos, size = 0, len(text)
+    while pos < size:
+        end = text.find("\n", pos)
+        if end < 0:
+            end = size
+        line = text[pos:end]
+        first = line[:1]
+        if first == "-":
+            if not going:
+                # iptables-save prints a table's chains before its rules: with nothing to
+                # remove here no rule can jump into a leftover, so skip the rules whole
+                # (the running mode's 320,000 lines at 10,000 services).
+                skip = text.find("\nCOMMIT", pos)
+                pos = size if skip < 0 else skip + 1
                 continue
-            if chain in KUBE_PROXY_CHAINS:
-                why = "a kube-proxy top-level chain"
-            else:
-                why = f"a kube-proxy per-service chain (KUBE-{chain.split('-')[1]}-)"
-            found.append(OwnedObject("iptables-chain", f"{where} {table}", chain, why))
-    return found
+            if line.startswith("-A ") and "KUBE-" in line:
+                target = _target(line)
+                chain = rule_chain(line)
+                if target in going and chain not in going:
+                    why = (
+                        f"jumps to kube-proxy chain {target}"
+                        if not is_owned_chain(chain)
+                        else f"a rule of {chain} (kept) that jumps to leftover chain {target}"
+                    )
+                    rules.append(OwnedObject("iptables-rule", f"{where} {table}", line, why))
+        elif first == ":":
+            chain = line[1:].partition(" ")[0]
+            if table in TABLES and goes(chain):
+                going.add(chain)
+                if chain in KUBE_PROXY_CHAINS:
+                    why = "a kube-proxy top-level chain"
+                else:
+                    why = f"a kube-proxy per-service chain (KUBE-{chain.split('-')[1]}-)"
+                chains.append(OwnedObject("iptables-chain", f"{where} {table}", chain, why))
+        elif first == "*":
+            table = line[1:].strip()
+            going = set()
+        pos = end + 1
+    # Per table: the jumps first, then the chains in name order (what cleanup_input and
+    # the dry-run listing expect).
+    order = {t: i for i, t in enumerate(TABLES)}
+
+    def table_of(obj: OwnedObject) -> int:
+        return order[obj.where.rsplit(" ", 1)[1]]
+
+    out: list[OwnedObject] = []
+    for t in sorted({table_of(o) for o in rules + chains}):
+        out += [o for o in rules if table_of(o) == t]
+        out += sorted((o for o in chains if table_of(o) == t), key=lambda o: o.name)
+    return out
 
 
 def cleanup_input(owned: list[OwnedObject]) -> str:
