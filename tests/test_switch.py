@@ -8,6 +8,7 @@ from pathlib import Path
 from kproxy.dataplane.base import SyncResult
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import snapshot_from_objects
+from kproxy.ops.snapshot import services
 from kproxy.switch import ModeSwitcher, expected_destinations
 from tests.objects import endpoint, endpoint_slice, port, service
 
@@ -72,6 +73,7 @@ def test_make_before_break_order(tmp_path: Path) -> None:
         state_dir=tmp_path,
         prober=lambda ip, p: None,
         snapshotter=lambda: PROGRAMMED,
+        plane_reader=lambda plane: services(PROGRAMMED).get(plane, {}),
     )
     report, now = switcher.switch(Plane("iptables", calls), SNAP, "nftables", timeout=30)
     assert report.ok, report.error
@@ -88,6 +90,7 @@ def test_verification_failure_rolls_back_and_keeps_the_old_mode(tmp_path: Path) 
         state_dir=None,
         prober=lambda ip, p: None,
         snapshotter=lambda: missing_one,
+        plane_reader=lambda plane: services(missing_one).get(plane, {}),
     )
     old = Plane("iptables", calls)
     report, now = switcher.switch(old, SNAP, "nftables", timeout=30)
@@ -105,6 +108,7 @@ def test_probe_failure_rolls_back(tmp_path: Path) -> None:
         state_dir=None,
         prober=lambda ip, p: f"{ip}:{p}: timed out",
         snapshotter=lambda: PROGRAMMED,
+        plane_reader=lambda plane: services(PROGRAMMED).get(plane, {}),
     )
     report, _ = switcher.switch(Plane("iptables", calls), SNAP, "nftables", timeout=30)
     assert not report.ok and "self-probe failed for 1 of 1" in (report.error or "")

@@ -9,7 +9,8 @@ Order (each step timed in the report):
   verify     every service destination of the snapshot is in the new mode's kernel state,
              and a sample of services answers from the node
   cut-over   the old mode leaves the packet path in one step (Dataplane.detach)
-  remove     the old mode's state goes
+  remove     the old mode's state goes (the switch's duration ends here)
+  snapshot-after  the node's dataplane again, kept beside the first
 Anything failing before the cut-over removes the new mode's state, leaves the old mode
 untouched and deletes the half-open conntrack entries the attempt may have caused (G13).
 Established connections survive the cut-over: conntrack keeps their translation.
@@ -31,7 +32,7 @@ from kproxy.conntrack import delete_unreplied_syn_to
 from kproxy.dataplane.anchor import ConntrackAnchor
 from kproxy.dataplane.base import VALID_MODES, Dataplane, DataplaneUnavailable, SyncError
 from kproxy.model.objects import Protocol, Snapshot
-from kproxy.ops.snapshot import ServiceKey, services, take
+from kproxy.ops.snapshot import ServiceKey, plane_services, take
 
 log = logging.getLogger("kproxy.switch")
 
@@ -116,11 +117,13 @@ class ModeSwitcher:
         state_dir: Path | None,
         prober: Callable[[str, int], str | None] = probe,
         snapshotter: Callable[[], dict[str, object]] = take,
+        plane_reader: Callable[[str], dict[ServiceKey, str]] = plane_services,
     ) -> None:
         self.make_dataplane = make_dataplane
         self.state_dir = state_dir
         self.prober = prober
         self.snapshotter = snapshotter
+        self.plane_reader = plane_reader
 
     def switch(
         self, old: Dataplane, snapshot: Snapshot, to: str, *, timeout: float
@@ -168,12 +171,17 @@ class ModeSwitcher:
             cut = True
             step("cut-over", lambda: self._detach(old))
             step("remove", lambda: self._remove(old, report))
-            step("snapshot-after", lambda: self._snapshot(report, "after"))
         finally:
             anchor.remove()
         report.ok = True
+        # The switch's duration ends when the old mode's state is gone; the record of the
+        # result that follows is not part of it (it is a step of its own in the report).
         report.duration = round(time.monotonic() - started, 4)
         log.info("switched %s -> %s in %.3f s", old.mode, to, report.duration)
+        try:
+            step("snapshot-after", lambda: self._snapshot(report, "after"))
+        except Exception as err:  # the switch is done; a missing record must not undo it
+            log.warning("could not record the dataplane after the switch: %s", err)
         return report, new
 
     # --- steps -------------------------------------------------------------------------------
@@ -207,7 +215,7 @@ class ModeSwitcher:
 
     def _verify(self, new: Dataplane, snapshot: Snapshot) -> str:
         expected = expected_destinations(snapshot)
-        programmed = set(services(self.snapshotter()).get(plane_name(new), {}))
+        programmed = set(self.plane_reader(plane_name(new)))
         missing = sorted(expected - programmed)
         if missing:
             shown = ", ".join(str(k) for k in missing[:10])
