@@ -204,8 +204,9 @@ def _syncs(res: Results) -> list[str]:
         out += _table(["services", *[f"{k} input" for k in KINDS], "snapshot (partial)",
                        "rules in kernel"], rows)
         out += ["Where a sync's time goes (medians): plan = renderer.plan, save = "
-                "iptables-save to list existing chains, check = `iptables -C` of the 12 "
-                "jumps, restore = iptables-restore calls, other = the rest of sync(). "
+                "the iptables-save a full sync reads its chains and jumps from, check = "
+                "`iptables -C` of jumps not found in that save, restore = iptables-restore "
+                "calls, other = the rest of sync(). "
                 "others = CPU cores' worth of unrelated work on the machine during the "
                 "measurement (median; 1.0 = one of the 2 cores taken).", ""]
         rows = []
