@@ -308,7 +308,8 @@ def run(
             config_path=config_path,
         )
         daemon.start()
-    except UserError as err:
+    except (UserError, DataplaneUnavailable) as err:
+        # DataplaneUnavailable: the mode cannot run on this node (e.g. ipvs without ip_vs).
         raise fail(str(err)) from None
     except FileNotFoundError as err:
         raise fail(f"source not found: {err.filename or err}") from None
@@ -368,8 +369,10 @@ def render(
     ] = None,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Print what a full sync would apply: iptables-restore input (iptables mode) or an
-    `nft -f` transaction, one command per line (nftables mode). Needs no root and no kernel.
+    """Print what a full sync would apply: iptables-restore input (iptables mode), an
+    `nft -f` transaction, one command per line (nftables mode), or the virtual servers in
+    `ipvsadm -S -n` form, the ipsets and the iptables rules (ipvs mode). Needs no root and
+    no kernel.
 
     Node facts a live sync detects (node IPs, local addresses, --random-fully support, nfacct
     counters, tcp_be_liberal) can be given as options so the output is reproducible on any
@@ -428,6 +431,10 @@ def render(
                 port_range=parse_port_range(config.port_range),
             )
             sys.stdout.write(text)
+        elif config.effective_mode == "ipvs":
+            from kproxy.dataplane.ipvs.render import render_text as render_ipvs
+
+            sys.stdout.write(render_ipvs(snapshot, facts, rule_options(config)))
         else:
             sys.stdout.write(render_full(snapshot, facts, rule_options(config)))
     except UserError as err:
@@ -641,9 +648,11 @@ def switch(
 
 # --- preflight and doctor (bodies in kproxy.ops.preflight / kproxy.ops.doctor) -------------------
 
+from kproxy.ops.doctor.cli import doctor_command  # noqa: E402
 from kproxy.ops.preflight.cli import preflight_command  # noqa: E402
 
 app.command("preflight")(preflight_command)
+app.command("doctor")(doctor_command)
 
 
 # --- list and trace ------------------------------------------------------------------------------

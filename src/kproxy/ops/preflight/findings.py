@@ -114,12 +114,13 @@ def render_text(
     console: Console | None = None,
     labels: dict[Severity, str] | None = None,
     show_info: bool = True,
+    why_label: str = "why",
 ) -> None:
     """Human output: a header, one block per finding (what, why, fix), a verdict line.
 
     rich only colours when writing to a terminal; piped output is plain text. Texts are
     escaped, so a value like "[KUBE-SVC]" is never taken for markup."""
-    out = console or Console(highlight=False, soft_wrap=True)
+    out = console or Console(highlight=False, soft_wrap=True, emoji=False)
     names = labels or {Severity.BLOCK: "BLOCK", Severity.WARN: "WARN", Severity.INFO: "INFO"}
     out.print(escape(header), style="bold")
     shown = [f for f in ordered(findings) if show_info or f.severity is not Severity.INFO]
@@ -132,8 +133,14 @@ def render_text(
             f"[{style}]{names[f.severity]:<6}[/{style}] {escape(f.id)}{escape(where)}: "
             f"{escape(f.found)}"
         )
+        symptom = f.facts.get("symptom")
+        if symptom:
+            out.print(f"       symptom: {escape(str(symptom))}")
         if f.why:
-            out.print(f"       why: {escape(f.why)}")
+            out.print(f"       {why_label}: {escape(f.why)}")
+        seen = f.facts.get("seen")
+        if seen:
+            out.print(f"       seen in the field: {escape(', '.join(map(str, seen)))}")
         for i, cmd in enumerate(f.fix):
             lead = "       fix: " if i == 0 else "            "
             out.print(f"{lead}{escape(cmd)}")
