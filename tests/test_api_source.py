@@ -1,0 +1,602 @@
+"""ApiSource against the in-memory API server (kproxy.lab.kubeapi), over real HTTP on loopback.
+
+Covers the Source contract (one initial batch once all three lists succeeded, then changes),
+resourceVersion handling (bookmarks, resuming a cut watch, 410 Gone -> relist delivering only
+the difference), outages (nothing delivered, nothing deleted, one log line per state change),
+upstream's filters, paging, authentication from a kubeconfig and the in-cluster settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore, write_kubeconfig
+from kproxy.model.snapshot import ChangeTracker
+from kproxy.sources.api import LABEL_SELECTOR, ApiSource, ClientConfigError, ClientSettings, Timing
+from kproxy.sources.base import ObjectEvent, ObjectKey
+from kproxy.sources.kubeclient import connect
+from tests.objects import endpoint, endpoint_slice, service
+
+FAST = Timing(
+    backoff_initial=0.02,
+    backoff_max=0.2,
+    watch_timeout=30,
+    read_grace=5.0,
+    list_timeout=5.0,
+    connect_timeout=2.0,
+)
+
+
+class Sink:
+    """Collects batches; wait() blocks until a condition on all events seen holds."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[ObjectEvent]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, batch: Sequence[ObjectEvent]) -> None:
+        with self._cond:
+            self.batches.append(list(batch))
+            self._cond.notify_all()
+
+    @property
+    def events(self) -> list[ObjectEvent]:
+        with self._cond:
+            return [e for b in self.batches for e in b]
+
+    def since(self, n: int) -> list[ObjectEvent]:
+        return self.events[n:]
+
+    def wait(self, pred: Callable[[list[ObjectEvent]], bool], timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not pred([e for b in self.batches for e in b]):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"condition not met; events: {self._describe()}")
+                self._cond.wait(left)
+
+    def _describe(self) -> list[str]:
+        return [f"{e.key}{' (deleted)' if e.obj is None else ''}" for b in self.batches for e in b]
+
+
+def svc_key(name: str, ns: str = "default") -> ObjectKey:
+    return ObjectKey("Service", ns, name)
+
+
+def slice_key(name: str, ns: str = "default") -> ObjectKey:
+    return ObjectKey("EndpointSlice", ns, name)
+
+
+NODE_KEY = ObjectKey("Node", "", "n1")
+
+
+def node(name: str = "n1", **annotations: str) -> dict[str, Any]:
+    return {
+        "kind": "Node",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": name,
+            "labels": {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": name},
+            "annotations": dict(annotations),
+        },
+        "spec": {"podCIDR": "10.244.0.0/24", "podCIDRs": ["10.244.0.0/24"]},
+        "status": {"addresses": [{"type": "InternalIP", "address": "10.100.0.1"}]},
+    }
+
+
+def svc(name: str, ip: str, **labels: str) -> dict[str, Any]:
+    obj = service(name, ip, ports=[{"name": "http", "port": 80, "targetPort": 8080}])
+    if labels:
+        obj["metadata"]["labels"] = labels
+    return obj
+
+
+def eps(name: str, service_name: str, *ips: str, address_type: str = "IPv4") -> dict[str, Any]:
+    obj = endpoint_slice(
+        service_name,
+        [endpoint(ip, "n1") for ip in ips],
+        [{"name": "http", "port": 8080}],
+        name=name,
+    )
+    obj["addressType"] = address_type
+    return obj
+
+
+def changed(events: list[ObjectEvent], key: ObjectKey) -> bool:
+    return any(e.key == key and e.obj is not None for e in events)
+
+
+def deleted(events: list[ObjectEvent], key: ObjectKey) -> bool:
+    return any(e.key == key and e.obj is None for e in events)
+
+
+@pytest.fixture
+def store() -> KubeApiStore:
+    st = KubeApiStore(bookmark_interval=0.2)
+    st.apply(node())
+    return st
+
+
+@pytest.fixture
+def server(store: KubeApiStore) -> Iterator[KubeApiServer]:
+    with KubeApiServer(store) as srv:
+        yield srv
+
+
+@pytest.fixture
+def kubeconfig(server: KubeApiServer, tmp_path: Path) -> Path:
+    return server.kubeconfig(tmp_path / "kubeconfig")
+
+
+@pytest.fixture
+def make_source(kubeconfig: Path) -> Iterator[Callable[..., ApiSource]]:
+    made: list[ApiSource] = []
+
+    def make(node_name: str = "n1", timing: Timing = FAST, **settings: Any) -> ApiSource:
+        settings.setdefault("kubeconfig", str(kubeconfig))
+        src = ApiSource(node_name, ClientSettings(**settings), timing=timing)
+        made.append(src)
+        return src
+
+    yield make
+    for src in made:
+        src.stop()
+
+
+def started(make_source: Callable[..., ApiSource], **kw: Any) -> tuple[ApiSource, Sink]:
+    sink = Sink()
+    src = make_source(**kw)
+    src.start(sink)
+    return src, sink
+
+
+def wait_watches(store: KubeApiStore, path: str, count: int, timeout: float = 5.0) -> None:
+    """Until `count` watch requests for `path` have reached the server."""
+    deadline = time.monotonic() + timeout
+    while len([r for r in store.recorded("GET", path) if r.query.get("watch")]) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} watches of {path}"
+        time.sleep(0.01)
+
+
+# --- initial sync and filters -------------------------------------------------------------------
+
+
+def test_initial_sync_is_one_batch_of_plain_objects_with_upstream_filters(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    store.apply(svc("web", "10.96.0.10"))
+    store.apply(svc("other", "10.96.0.11", **{"service.kubernetes.io/service-proxy-name": "x"}))
+    store.apply(svc("hl", "10.96.0.12", **{"service.kubernetes.io/headless": ""}))
+    store.apply(eps("web-1", "web", "10.244.0.2"))
+    store.apply(eps("web-v6", "web", "fd00::2", address_type="IPv6"))
+    headless_slice = eps("hl-1", "hl", "10.244.0.3")
+    headless_slice["metadata"]["labels"]["service.kubernetes.io/headless"] = ""
+    store.apply(headless_slice)
+    store.apply(node("n2"))
+
+    src, sink = started(make_source)
+
+    assert src.synced
+    assert len(sink.batches) == 1
+    keys = {e.key for e in sink.batches[0]}
+    assert keys == {svc_key("web"), slice_key("web-1"), NODE_KEY}
+    by_key = {e.key: e.obj for e in sink.batches[0]}
+    # Complete plain dicts, like the file source gives: kind and apiVersion included.
+    assert by_key[svc_key("web")]["kind"] == "Service"
+    assert by_key[slice_key("web-1")]["apiVersion"] == "discovery.k8s.io/v1"
+    assert by_key[NODE_KEY]["metadata"]["annotations"] == {}
+    lists = [r for r in store.requests if r.method == "GET" and "watch" not in r.query]
+    by_path = {r.path: r.query for r in lists}
+    assert by_path["/api/v1/services"]["labelSelector"] == LABEL_SELECTOR
+    assert by_path["/apis/discovery.k8s.io/v1/endpointslices"]["labelSelector"] == LABEL_SELECTOR
+    assert by_path["/api/v1/nodes"]["fieldSelector"] == "metadata.name=n1"
+    # The objects feed the change tracker as they are.
+    tracker = ChangeTracker("n1")
+    tracker.apply(sink.batches[0])
+    snap = tracker.snapshot()
+    assert [str(sp.name) for sp in snap.sorted_ports()] == ["default/web:http"]
+    assert [ep.addr for ep in snap.sorted_ports()[0].endpoints] == ["10.244.0.2:8080"]
+    assert snap.node.zone == "z1"
+
+
+def test_upstream_label_selector_is_the_one_kube_proxy_uses() -> None:
+    # kube-proxy's informers: labels.NewSelector() with DoesNotExist requirements on
+    # service-proxy-name and headless, printed sorted by key.
+    assert LABEL_SELECTOR == (
+        "!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name"
+    )
+
+
+def test_first_batch_waits_until_every_list_succeeded(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    store.apply(svc("web", "10.96.0.10"))
+    store.apply(eps("web-1", "web", "10.244.0.2"))
+    store.fail("/endpointslices", 500, times=4)
+
+    src, sink = started(make_source)
+
+    assert src.synced
+    assert len(sink.batches) == 1  # nothing before: no partial view ever went out
+    assert {e.key for e in sink.batches[0]} == {svc_key("web"), slice_key("web-1"), NODE_KEY}
+    failed = [
+        r for r in store.requests if r.path.endswith("/endpointslices") and "watch" not in r.query
+    ]
+    assert len(failed) == 5
+
+
+def test_paged_lists_deliver_everything(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    for i in range(7):
+        store.apply(svc(f"s{i}", f"10.96.0.{10 + i}"))
+    from dataclasses import replace
+
+    src, sink = started(make_source, timing=replace(FAST, page_size=3))
+
+    assert {e.key for e in sink.batches[0]} == {svc_key(f"s{i}") for i in range(7)} | {NODE_KEY}
+    pages = [r for r in store.requests if r.path == "/api/v1/services" and "watch" not in r.query]
+    assert len(pages) == 3
+    assert "continue" in pages[1].query and "resourceVersion" not in pages[1].query
+
+
+# --- watching -------------------------------------------------------------------------------------
+
+
+def test_add_modify_delete_arrive_as_events(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    store.apply(svc("web", "10.96.0.10"))
+    src, sink = started(make_source)
+    n = len(sink.events)
+
+    store.apply(svc("api", "10.96.0.20"))
+    store.apply(eps("api-1", "api", "10.244.0.3"))
+    sink.wait(lambda ev: changed(ev[n:], svc_key("api")) and changed(ev[n:], slice_key("api-1")))
+    modified = svc("web", "10.96.0.10")
+    modified["spec"]["ports"][0]["port"] = 81
+    store.apply(modified)
+    sink.wait(lambda ev: any(e.key == svc_key("web") for e in ev[n:]))
+    store.delete("Service", "default", "api")
+    sink.wait(lambda ev: deleted(ev[n:], svc_key("api")))
+
+    later = sink.since(n)
+    # Each resource is its own watch: order holds within a kind, not across kinds.
+    services = [(e.key.name, e.obj) for e in later if e.key.kind == "Service"]
+    assert [(name, obj is None) for name, obj in services] == [
+        ("api", False),
+        ("web", False),
+        ("api", True),
+    ]
+    assert services[1][1] is not None and services[1][1]["spec"]["ports"][0]["port"] == 81
+    assert [e.key for e in later if e.key.kind == "EndpointSlice"] == [slice_key("api-1")]
+
+
+def test_objects_leaving_and_entering_the_selector(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    store.apply(svc("web", "10.96.0.10"))
+    src, sink = started(make_source)
+    n = len(sink.events)
+
+    store.apply(svc("web", "10.96.0.10", **{"service.kubernetes.io/service-proxy-name": "x"}))
+    sink.wait(lambda ev: deleted(ev[n:], svc_key("web")))
+    store.apply(svc("web", "10.96.0.10"))
+    sink.wait(lambda ev: changed(ev[n + 1 :], svc_key("web")))
+    # An IPv6 slice is never delivered, not even as a change.
+    store.apply(eps("v6", "web", "fd00::5", address_type="IPv6"))
+    store.apply(svc("marker", "10.96.0.99"))
+    sink.wait(lambda ev: changed(ev, svc_key("marker")))
+    assert not any(e.key == slice_key("v6") for e in sink.events)
+
+
+def test_node_changes_reach_listeners_other_nodes_do_not(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    src = make_source()
+    seen: list[dict[str, Any] | None] = []
+    src.node_listeners.append(seen.append)
+    sink = Sink()
+    src.start(sink)
+    assert seen and seen[0] is not None and seen[0]["metadata"]["name"] == "n1"
+
+    store.apply(node("n2"))
+    store.patch("Node", "", "n1", {"metadata": {"annotations": {"proxy.kproxy.io/mode": "ipvs"}}})
+    sink.wait(lambda ev: len([e for e in ev if e.key == NODE_KEY]) == 2)
+    assert not any(e.key.name == "n2" for e in sink.events)
+    assert seen[-1] is not None
+    assert seen[-1]["metadata"]["annotations"] == {"proxy.kproxy.io/mode": "ipvs"}
+    assert src.node == seen[-1]
+    assert src.fetch_node(wait=1)["metadata"]["annotations"]["proxy.kproxy.io/mode"] == "ipvs"
+
+
+def test_fetch_node_gives_up_when_the_node_does_not_exist(
+    make_source: Callable[..., ApiSource],
+) -> None:
+    src = make_source("missing")
+    t0 = time.monotonic()
+    assert src.fetch_node(wait=0.5) is None
+    assert time.monotonic() - t0 < 3
+
+
+def test_bookmarks_move_the_resource_version(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    src, sink = started(make_source)
+    before = int(src.state()["services"]["resource_version"])  # type: ignore[index]
+    for i in range(3):
+        store.apply(node(f"other{i}"))  # changes no service: only a bookmark can tell
+    target = int(store.resource_version)
+    deadline = time.monotonic() + 5
+    while int(src.state()["services"]["resource_version"]) < target:  # type: ignore[index]
+        assert time.monotonic() < deadline, "no bookmark moved the services' version"
+        time.sleep(0.05)
+    assert target > before
+    watches = [r for r in store.requests if r.query.get("watch") == "true"]
+    assert watches and all(r.query.get("allowWatchBookmarks") == "true" for r in watches)
+
+
+def test_cut_watch_resumes_from_the_last_version_without_losing_events(
+    store: KubeApiStore, server: KubeApiServer, make_source: Callable[..., ApiSource]
+) -> None:
+    src, sink = started(make_source)
+    n = len(sink.events)
+    for round_ in range(3):
+        wait_watches(store, "/api/v1/services", round_ + 1)
+        time.sleep(0.05)  # the stream is open
+        server.drop_connections()
+        # Changes made while the watch is being re-established must still arrive.
+        for i in range(5):
+            store.apply(svc(f"r{round_}-{i}", f"10.96.{round_}.{i + 1}"))
+    expected = [svc_key(f"r{r}-{i}") for r in range(3) for i in range(5)]
+    sink.wait(lambda ev: all(changed(ev[n:], k) for k in expected))
+    time.sleep(0.3)
+    later = sink.since(n)
+    assert [e.key for e in later] == expected  # in order, none twice, nothing else
+    assert src.state()["services"]["lists"] == 1  # type: ignore[index]
+    resumed = [r for r in store.requests if r.path == "/api/v1/services" and r.query.get("watch")]
+    assert len(resumed) >= 4 and all(r.query["resourceVersion"] != "0" for r in resumed)
+
+
+# --- 410 Gone -------------------------------------------------------------------------------------
+
+
+def test_gone_relists_and_delivers_only_the_difference(
+    store: KubeApiStore, server: KubeApiServer, make_source: Callable[..., ApiSource]
+) -> None:
+    for name in ("keep", "change", "remove"):
+        store.apply(svc(name, "10.96.0.10" if name == "keep" else "10.96.0.20"))
+    src, sink = started(make_source)
+    n = len(sink.events)
+
+    server.stop()  # changes happen while kproxy cannot watch, then history is compacted
+    store.apply(svc("change", "10.96.0.21"))
+    store.delete("Service", "default", "remove")
+    store.apply(svc("new", "10.96.0.30"))
+    store.compact()
+    server.start()
+
+    sink.wait(lambda ev: deleted(ev[n:], svc_key("remove")) and changed(ev[n:], svc_key("new")))
+    time.sleep(0.3)
+    later = sink.since(n)
+    assert sorted((str(e.key), e.obj is None) for e in later) == [
+        ("Service default/change", False),
+        ("Service default/new", False),
+        ("Service default/remove", True),
+    ]
+    assert src.state()["services"]["lists"] == 2  # type: ignore[index]
+    watch_410 = [
+        r
+        for r in store.requests
+        if r.path == "/api/v1/services" and "watch" not in r.query and r is not None
+    ]
+    # The relist asked for "not older than" the version it had, as client-go does.
+    assert watch_410[-1].query.get("resourceVersion") not in (None, "", "0")
+
+
+def test_gone_on_an_open_watch_with_nothing_changed_delivers_nothing(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    store.apply(svc("web", "10.96.0.10"))
+    src, sink = started(make_source)
+    n = len(sink.events)
+    wait_watches(store, "/api/v1/services", 1)
+    time.sleep(0.05)
+    store.expire_watches()
+    deadline = time.monotonic() + 5
+    while src.state()["services"]["lists"] < 2:  # type: ignore[index]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    store.apply(svc("marker", "10.96.0.99"))
+    sink.wait(lambda ev: changed(ev[n:], svc_key("marker")))
+    assert [e.key for e in sink.since(n)] == [svc_key("marker")]
+
+
+def test_failed_relist_deletes_nothing_until_a_list_succeeds(
+    store: KubeApiStore, server: KubeApiServer, make_source: Callable[..., ApiSource]
+) -> None:
+    store.apply(svc("a", "10.96.0.1"))
+    store.apply(svc("b", "10.96.0.2"))
+    src, sink = started(make_source)
+    n = len(sink.events)
+    server.stop()
+    store.delete("Service", "default", "b")
+    store.compact()
+    store.fail("/api/v1/services", 503, times=6)  # the relist fails for a while
+    server.start()
+    deadline = time.monotonic() + 5
+    while not deleted(sink.since(n), svc_key("b")):
+        assert time.monotonic() < deadline, "the relist never succeeded"
+        # Until the list succeeds, nothing at all was delivered for services.
+        assert not any(e.key.kind == "Service" for e in sink.since(n))
+        time.sleep(0.02)
+    assert [(e.key, e.obj) for e in sink.since(n)] == [(svc_key("b"), None)]
+
+
+# --- outages and slow servers ---------------------------------------------------------------------
+
+
+def test_outage_delivers_nothing_and_logs_once_per_state_change(
+    store: KubeApiStore,
+    server: KubeApiServer,
+    make_source: Callable[..., ApiSource],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store.apply(svc("web", "10.96.0.10"))
+    src, sink = started(make_source)
+    n = len(sink.events)
+    caplog.set_level(logging.INFO, logger="kproxy.sources.api")
+
+    server.stop()
+    time.sleep(1.0)  # several backoff rounds (20 ms doubling to 200 ms)
+    assert sink.since(n) == []
+    state = src.state()
+    assert all(s["error"] for s in state.values()), state  # type: ignore[index]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, [r.getMessage() for r in warnings]  # one per resource
+    assert {r.getMessage().split(":")[0] for r in warnings} == {
+        "services list/watch",
+        "endpointslices list/watch",
+        "nodes list/watch",
+    }
+
+    store.apply(svc("after", "10.96.0.11"))
+    server.start()
+    sink.wait(lambda ev: changed(ev[n:], svc_key("after")))
+    assert [e.key for e in sink.since(n)] == [svc_key("after")]
+    deadline = time.monotonic() + 5
+    while any(s["error"] for s in src.state().values()):  # type: ignore[index]
+        assert time.monotonic() < deadline, src.state()
+        time.sleep(0.02)
+    recovered = [r for r in caplog.records if "working again" in r.getMessage()]
+    assert len(recovered) == 3
+
+
+def test_slow_server_is_waited_for(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    from dataclasses import replace
+
+    store.apply(svc("web", "10.96.0.10"))
+    store.delay = 0.3
+    src = make_source(timing=replace(FAST, list_timeout=0.2))
+    sink = Sink()
+    t = threading.Thread(target=src.start, args=(sink,))
+    t.start()
+    time.sleep(1.0)
+    assert not src.synced and sink.batches == []  # lists time out and are retried
+    store.delay = 0.1
+    t.join(10)
+    assert src.synced
+    assert {e.key for e in sink.batches[0]} == {svc_key("web"), NODE_KEY}
+
+
+def test_stop_ends_a_start_that_waits_for_an_unreachable_server(tmp_path: Path) -> None:
+    kc = write_kubeconfig(tmp_path / "kc", "http://127.0.0.1:9")  # discard port: refused
+    src = ApiSource("n1", ClientSettings(kubeconfig=str(kc)), timing=FAST)
+    sink = Sink()
+    t = threading.Thread(target=src.start, args=(sink,))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and not src.synced
+    src.stop()
+    t.join(5)
+    assert not t.is_alive()
+    assert sink.batches == []
+
+
+# --- connection settings ------------------------------------------------------------------------
+
+
+def test_kubeconfig_token_is_sent(
+    store: KubeApiStore, server: KubeApiServer, tmp_path: Path
+) -> None:
+    store.token = "s3cret"
+    good = server.kubeconfig(tmp_path / "good", token="s3cret")
+    src = ApiSource("n1", ClientSettings(kubeconfig=str(good)), timing=FAST)
+    try:
+        sink = Sink()
+        src.start(sink)
+        assert NODE_KEY in {e.key for e in sink.batches[0]}
+    finally:
+        src.stop()
+
+    bad = write_kubeconfig(tmp_path / "bad", server.url, token="wrong")
+    src = ApiSource("n1", ClientSettings(kubeconfig=str(bad)), timing=FAST)
+    sink = Sink()
+    t = threading.Thread(target=src.start, args=(sink,))
+    t.start()
+    try:
+        time.sleep(0.5)
+        assert not src.synced
+        errors = [s["error"] for s in src.state().values()]  # type: ignore[index]
+        assert all(e and "401" in e for e in errors), errors
+    finally:
+        src.stop()
+        t.join(5)
+
+
+def test_master_overrides_the_kubeconfig_server(server: KubeApiServer, tmp_path: Path) -> None:
+    kc = write_kubeconfig(tmp_path / "kc", "http://127.0.0.1:9")
+    src = ApiSource("n1", ClientSettings(kubeconfig=str(kc), master=server.url), timing=FAST)
+    try:
+        src.start(Sink())
+        assert src.synced
+    finally:
+        src.stop()
+    alone = ApiSource("n1", ClientSettings(master=server.url), timing=FAST)
+    try:
+        alone.start(Sink())
+        assert alone.synced
+    finally:
+        alone.stop()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (ClientSettings(kubeconfig="/nonexistent/kc"), "does not exist"),
+        (ClientSettings(master="127.0.0.1:6443"), "must start with http"),
+    ],
+)
+def test_unusable_settings_are_one_line_errors(settings: ClientSettings, message: str) -> None:
+    src = ApiSource("n1", settings, timing=FAST)
+    try:
+        with pytest.raises(ClientConfigError, match=message):
+            src.open()
+    finally:
+        src.stop()
+
+
+def test_broken_kubeconfig_is_a_clear_error(tmp_path: Path) -> None:
+    kc = tmp_path / "kc"
+    kc.write_text("apiVersion: v1\nkind: Config\ncurrent-context: nowhere\ncontexts: []\n")
+    src = ApiSource("n1", ClientSettings(kubeconfig=str(kc)), timing=FAST)
+    try:
+        with pytest.raises(ClientConfigError, match=str(kc)):
+            src.open()
+    finally:
+        src.stop()
+
+
+def test_in_cluster_needs_the_service_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import asyncio
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ClientConfigError, match="KUBERNETES_SERVICE_HOST"):
+        asyncio.run(connect(ClientSettings()))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    missing = ClientSettings(token_file=str(tmp_path / "token"), ca_file=str(tmp_path / "ca"))
+    with pytest.raises(ClientConfigError, match="token"):
+        asyncio.run(connect(missing))
