@@ -484,6 +484,14 @@ class FakeBackend:
     def table_exists(self, family: str, name: str) -> bool:
         return TableRef(family, name) in self.tables()
 
+    def delete_chains(self, family: str, table: str, chains: list[str]) -> None:
+        # The kernel deletes a chain with its rules; nft's text form needs a flush first.
+        missing = [c for c in chains if c not in self.table.chains]
+        if missing:
+            raise NftError(f"deleting chains: No such file or directory: {missing}")
+        self.run("".join(f"flush chain {family} {table} {c}\ndelete chain {family} {table} {c}\n"
+                         for c in chains))
+
     def chains(self, family: str, table: str) -> list[str]:
         return list(self.table.chains) if self.table.exists else []
 

@@ -19,7 +19,7 @@ import pytest
 from kproxy.dataplane.base import SyncError
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.nftables import names
-from kproxy.dataplane.nftables.backend import NftBackend
+from kproxy.dataplane.nftables.backend import NftBackend, NftError
 from kproxy.dataplane.nftables.proxier import FAILED_TRANSACTION, NftablesDataplane
 from kproxy.dataplane.nftables.render import render_full
 from kproxy.lab.topology import Lab
@@ -283,6 +283,22 @@ def test_detach_unhooks_in_one_step_and_a_full_sync_reattaches(netns: str) -> No
         if "hook" in c["chain"]
     }
     assert len(hooked) == 8
+
+
+def test_table_lookup_and_detach_go_over_netlink(netns: str) -> None:
+    backend = NftBackend(netns=netns)
+    assert not backend.table_exists("ip", "kube-proxy")
+    nft(netns, "-f", "-", input="add table ip kube-proxy\nadd table ip6 other\n")
+    assert backend.table_exists("ip", "kube-proxy")
+    assert not backend.table_exists("ip", "other")  # another family's table
+    assert backend.table_exists("ip6", "other")  # the nft fallback for another family
+    # A batch naming one missing chain changes nothing: the detach then falls back to nft.
+    nft(netns, "-f", "-", input="add chain ip kube-proxy a { counter ; }\n")
+    with pytest.raises(NftError):
+        backend.delete_chains("ip", "kube-proxy", ["a", "missing"])
+    assert "a" in backend.chains("ip", "kube-proxy")
+    backend.delete_chains("ip", "kube-proxy", ["a"])  # rules and all
+    assert "a" not in backend.chains("ip", "kube-proxy")
 
 
 def test_drifted_and_cleanup_touch_only_our_tables(netns: str) -> None:

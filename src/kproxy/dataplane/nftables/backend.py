@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kproxy.dataplane.iptables.backend import Runner, in_netns, parse_version, run_command
-from kproxy.dataplane.nftables.netlink import NetlinkError, NftNetlink
+from kproxy.dataplane.nftables.netlink import FAMILIES, NetlinkError, NftNetlink, delete_chain
 from kproxy.dataplane.nftables.steps import netlink_ops, op_line, split
 from kproxy.dataplane.nftables.transaction import Transaction
 
@@ -194,6 +194,18 @@ class NftBackend:
                     netlink_line=None if index is None else messages[index][1],
                 ) from err
 
+    def delete_chains(self, family: str, table: str, chains: list[str]) -> None:
+        """Delete chains, rules included, in one atomic netlink batch: no nft process and no
+        object cache (nft would dump the whole table first: ~0.9 s at 10,000 services).
+        Fails as a whole (NftError) if one of them does not exist or is still referenced."""
+        if self._netlink is None:
+            self._netlink = NftNetlink(self.netns, family=family)
+        ops = [delete_chain(table, c) for c in chains]
+        try:
+            self._netlink.run(ops)
+        except (NetlinkError, OSError) as err:
+            raise NftError(f"deleting chains {', '.join(chains)}: {err}") from err
+
     def close(self) -> None:
         if self._netlink is not None:
             self._netlink.close()
@@ -241,6 +253,13 @@ class NftBackend:
         ]
 
     def table_exists(self, family: str, name: str) -> bool:
+        try:
+            if self._netlink is None:
+                self._netlink = NftNetlink(self.netns, family=family)
+            if self._netlink.family == FAMILIES[family]:
+                return self._netlink.table_exists(name)
+        except (NetlinkError, OSError, KeyError) as err:
+            log.debug("netlink table lookup failed (%s); asking nft", err)
         return TableRef(family, name) in self.tables()
 
     def chains(self, family: str, table: str) -> list[str]:

@@ -20,6 +20,7 @@ to the namespace it was created in).
 from __future__ import annotations
 
 import ctypes
+import errno
 import ipaddress
 import os
 import socket
@@ -40,11 +41,14 @@ NLM_F_CREATE: Final = 0x400
 NLA_F_NESTED: Final = 0x8000
 CLONE_NEWNET: Final = 0x40000000
 
+NFT_MSG_NEWTABLE: Final = 0
+NFT_MSG_GETTABLE: Final = 1
 NFT_MSG_DELCHAIN: Final = 5
 NFT_MSG_DELSET: Final = 11
 NFT_MSG_NEWSETELEM: Final = 12
 NFT_MSG_DELSETELEM: Final = 14
 
+NFTA_TABLE_NAME: Final = 1
 NFTA_CHAIN_TABLE: Final = 1
 NFTA_CHAIN_NAME: Final = 3
 NFTA_SET_TABLE: Final = 1
@@ -299,3 +303,36 @@ class NftNetlink:
             raise NetlinkError(
                 f"nf_tables rejected {what}: {os.strerror(errno_)}", errno_=errno_, index=index
             )
+
+    def table_exists(self, table: str) -> bool:
+        """Does the table exist? One GETTABLE request: nft itself would dump every object
+        of every table first (0.9 s at 1,000 services with nft 1.0.6)."""
+        sock = self._socket()
+        seq = self._seq
+        self._seq += 1
+        payload = _string(NFTA_TABLE_NAME, table)
+        msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE
+        header = self._header(msg_type, NLM_F_REQUEST | NLM_F_ACK, len(payload), seq, self.family)
+        sock.send(header + payload)
+        found = False
+        while True:
+            try:
+                data = sock.recv(1 << 16)
+            except TimeoutError as err:
+                raise NetlinkError("no answer from nf_tables within 10 s") from err
+            offset = 0
+            while offset + 16 <= len(data):
+                length, kind, _, got_seq, _ = struct.unpack_from("=IHHII", data, offset)
+                if got_seq == seq:
+                    if kind == NLMSG_ERROR:
+                        (code,) = struct.unpack_from("=i", data, offset + 16)
+                        if code == 0:
+                            return found
+                        if -code == errno.ENOENT:
+                            return False
+                        raise NetlinkError(
+                            f"nf_tables: get table {table}: {os.strerror(-code)}", errno_=-code
+                        )
+                    if kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
+                        found = True
+                offset += max(length, 16) + (-length % 4)
