@@ -555,8 +555,6 @@ def rules(env: Env) -> list[str]:
 
 
 def test_list_and_trace_commands_read_the_kernel(env: Env) -> None:
-    if env.mode == "userspace":
-        pytest.skip("no userspace reader for list/trace yet (issue: observability)")
     web(env, pods=(POD_IPS[0],))
     env.proxy.start()
     cli = [sys.executable, "-m", "kproxy.cli"]

@@ -328,7 +328,11 @@ def test_ipvs_mode_iptables_rules_are_not_iptables_mode() -> None:
         "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-PORTALS-CONTAINER - [0:0]\n"
         "-A PREROUTING -j KUBE-PORTALS-CONTAINER\nCOMMIT\n"
     )
+    # The userspace reader takes these chains; iptables mode's reader says they are not its.
     (dp,) = list_services(source=RecordedSource(iptables={"nft": userspace})).dataplanes
+    assert dp.dataplane == "userspace-nft" and dp.live
+    only = list_services(source=RecordedSource(iptables={"nft": userspace}), mode="iptables")
+    (dp,) = only.dataplanes
     assert not dp.live and "userspace mode's iptables chains" in dp.detail
 
 

@@ -7,6 +7,9 @@ Everything lives in one folder, ``<state dir>/userspace``:
   mtime, so a lost signal only costs a poll interval.
 * ``worker-<i>.json`` - written by worker i: its PID and start time (which identify it
   across PID reuse), the table generation it has applied, its counters and bind errors.
+* ``report-<i>.json`` - written by worker i when sent REPORT_SIGNAL (`kproxy list`
+  and `kproxy trace` ask): open connections per listener and endpoint, affinity entries.
+  Only on request, so the periodic status stays small at 10,000 listeners.
 * ``ports.json`` - the proxy-port allocation, so a restarted controller keeps every port.
 * ``controller.lock`` - flock()ed by the running controller; never inherited by workers.
 
@@ -44,6 +47,9 @@ PORTS_FILE = "ports.json"
 LOCK_FILE = "controller.lock"
 WORKER_MODULE = "kproxy.dataplane.userspace.worker"
 STOP_GRACE = 3.0
+# Asks a worker for a fresh report file. Only sent to workers whose status says they handle
+# it ("reports": 1): to an older worker, SIGUSR1's default action would kill it.
+REPORT_SIGNAL = signal.SIGUSR1
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -146,6 +152,9 @@ class WorkerSet:
 
     def log_path(self, index: int) -> Path:
         return self.dir / f"worker-{index}.log"
+
+    def report_path(self, index: int) -> Path:
+        return self.dir / f"report-{index}.json"
 
     def read_table(self) -> dict[str, Any] | None:
         data = read_json(self.table_path)
@@ -288,6 +297,32 @@ class WorkerSet:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(info.pid, sig)
 
+    def request_reports(self, timeout: float = 1.0) -> tuple[dict[int, dict[str, Any]], list[int]]:
+        """Fresh reports of the live workers that can give one: (reports by index, indices
+        that cannot report or did not answer within `timeout`)."""
+        live = self.workers()
+        asked = {i: w for i, w in live.items() if w.status.get("reports") == 1}
+        started = time.time()
+        for info in asked.values():
+            self._signal(info, REPORT_SIGNAL)
+        reports: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while True:
+            for index, info in asked.items():
+                if index in reports:
+                    continue
+                data = read_json(self.report_path(index))
+                if (
+                    isinstance(data, dict)
+                    and data.get("pid") == info.pid
+                    and float(data.get("time", 0)) >= started
+                ):
+                    reports[index] = data
+            if len(reports) == len(asked) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        return reports, sorted(set(live) - set(reports))
+
     def notify(self) -> None:
         for info in self.workers().values():
             self._signal(info, signal.SIGHUP)
@@ -333,6 +368,7 @@ class WorkerSet:
                 popen.wait(timeout)
         self._children.clear()
         for info in live:
-            with contextlib.suppress(OSError):
-                self.status_path(info.index).unlink()
+            for path in (self.status_path(info.index), self.report_path(info.index)):
+                with contextlib.suppress(OSError):
+                    path.unlink()
         return [w.pid for w in live]

@@ -31,6 +31,7 @@ from typing import Any
 
 from kproxy.dataplane.userspace.balancer import Balancer
 from kproxy.dataplane.userspace.control import (
+    REPORT_SIGNAL,
     SUBDIR,
     TABLE_FILE,
     proc_starttime,
@@ -100,6 +101,26 @@ def open_listener(protocol: str, port: int) -> socket.socket:
     return sock
 
 
+def connection_counts(tcp: TcpEngine, udp: UdpEngine) -> dict[str, dict[str, list[int]]]:
+    """Open connections per listener key and endpoint "ip:port": [active, inactive].
+
+    As ipvsadm counts them: a TCP connection with both directions open is active; one still
+    dialling its endpoint or half closed is inactive, and so is every UDP session."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for conn in tcp.conns:
+        if conn.bsock is None or not conn.attempt or conn.closed:
+            continue
+        ip, port = conn.plan[conn.attempt - 1]
+        up, down = conn.up, conn.down
+        active = up is not None and down is not None and not (up.eof or down.eof)
+        slot = out.setdefault(conn.key, {}).setdefault(f"{ip}:{port}", [0, 0])
+        slot[0 if active else 1] += 1
+    for session in udp.sessions.values():
+        ip, port = session.endpoint
+        out.setdefault(session.key, {}).setdefault(f"{ip}:{port}", [0, 0])[1] += 1
+    return out
+
+
 def own_netns_name() -> str | None:
     """The /run/netns name of the namespace this process runs in, if it has one."""
     try:
@@ -150,6 +171,10 @@ class Worker:
     def status_path(self) -> Path:
         return self.dir / f"worker-{self.index}.json"
 
+    @property
+    def report_path(self) -> Path:
+        return self.dir / f"report-{self.index}.json"
+
     # --- main loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -166,6 +191,7 @@ class Worker:
             max_sessions=self.max_connections,
         )
         loop.add_signal_handler(signal.SIGHUP, self.reload, True)
+        loop.add_signal_handler(REPORT_SIGNAL, self.write_report)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
         self.reload(True)
@@ -227,10 +253,11 @@ class Worker:
         while self.tcp.conns and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.tcp.abort_all()
-        with contextlib.suppress(OSError):
-            status = read_json(self.status_path)
-            if isinstance(status, dict) and status.get("pid") == self.pid:
-                self.status_path.unlink()
+        for path in (self.status_path, self.report_path):
+            with contextlib.suppress(OSError):
+                status = read_json(path)
+                if isinstance(status, dict) and status.get("pid") == self.pid:
+                    path.unlink()
         log.info("worker %d exited: %s", self.index, self.exit_reason)
 
     # --- the table ---------------------------------------------------------------------------
@@ -356,7 +383,37 @@ class Worker:
                 "dropped": u.dropped,
             },
             "updated": time.time(),
+            "reports": 1,  # answers REPORT_SIGNAL (see control.py)
         }
+
+    def report(self) -> dict[str, Any]:
+        """What `kproxy list` / `kproxy trace` ask for: open connections per listener and
+        endpoint, and the ClientIP affinity entries (service -> client -> endpoint, age)."""
+        assert self.tcp is not None and self.udp is not None
+        now = time.monotonic()
+        affinity = {
+            service: {
+                client: [entry.endpoint[0], entry.endpoint[1], round(now - entry.last_used, 3)]
+                for client, entry in table.items()
+            }
+            for service, table in self.balancer.affinity.items()
+            if table
+        }
+        return {
+            "index": self.index,
+            "pid": self.pid,
+            "starttime": self.starttime,
+            "generation": self.generation,
+            "time": time.time(),
+            "conns": connection_counts(self.tcp, self.udp),
+            "affinity": affinity,
+        }
+
+    def write_report(self) -> None:
+        try:
+            write_json_atomic(self.report_path, self.report())
+        except OSError as exc:
+            log.warning("cannot write report: %s", exc)
 
     def write_status(self) -> None:
         self._write(self.status())

@@ -64,6 +64,8 @@ class KernelSource:
             "iptables-nft": "iptables-nft-save -c",
             "iptables-legacy": "iptables-legacy-save -c",
             "nftables": "nft -j list table ip kube-proxy",
+            "userspace-nft": "iptables-nft-save -c and the userspace workers",
+            "userspace-legacy": "iptables-legacy-save -c and the userspace workers",
             "conntrack": "conntrack -L -o extended",
         }.get(what, what)
 

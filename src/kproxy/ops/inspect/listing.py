@@ -54,6 +54,7 @@ class DataplaneListing:
     servers: list[VirtualServer]
     conntrack_ok: bool = True
     notes: list[str] = field(default_factory=list)
+    counter_note: str | None = None  # what Pkts/Bytes mean, when the mode says so itself
 
     @property
     def service_names(self) -> list[str]:
@@ -187,7 +188,9 @@ def _section(dp: DataplaneListing, *, stats: bool, rate: bool) -> list[str]:
             )
         lines += [f"     ! {n}" for n in vs.notes]
     if stats:
-        if dp.mode == "iptables" and dp.has_counters:
+        if dp.counter_note:
+            lines.append(dp.counter_note)
+        elif dp.mode == "iptables" and dp.has_counters:
             lines.append(COUNTER_NOTE["iptables"])
         elif dp.has_counters:
             lines.append("Pkts/Bytes: from the counter statements of the rules")
@@ -211,11 +214,13 @@ def _order(servers: list[VirtualServer], sort: bool) -> list[VirtualServer]:
 
 def _read(view: ModeView, source: KernelSource) -> DataplaneListing:
     servers = view.services()
-    entries = source.conntrack_entries()
+    notes: list[str] = list(view.notes)
+    # userspace mode counts connections itself (its workers know them; conntrack sees only
+    # the redirects to the proxy ports).
+    entries = None if getattr(view, "counts_connections", False) else source.conntrack_entries()
     if entries is not None:
         apply_conntrack(servers, entries, view.local_addresses())
-    notes: list[str] = []
-    if entries is None:
+    elif not getattr(view, "counts_connections", False):
         notes.append(f"conntrack: {source.errors.get('conntrack', 'unreadable')}")
     return DataplaneListing(
         view.dataplane,
@@ -225,8 +230,9 @@ def _read(view: ModeView, source: KernelSource) -> DataplaneListing:
         source.command(view.dataplane),
         view.has_counters,
         servers,
-        conntrack_ok=entries is not None,
+        conntrack_ok=entries is not None or getattr(view, "counts_connections", False),
         notes=notes,
+        counter_note=getattr(view, "counter_note", None),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kproxy.ops.inspect import iptables_reader, nftables_reader
+from kproxy.ops.inspect import iptables_reader, nftables_reader, userspace
 from kproxy.ops.inspect.kernel import KernelSource
 from kproxy.ops.inspect.model import ModeView
 
@@ -29,6 +29,8 @@ READERS: list[Reader] = [
     Reader("iptables-nft", "iptables", lambda src: iptables_reader.load("nft", src)),
     Reader("iptables-legacy", "iptables", lambda src: iptables_reader.load("legacy", src)),
     Reader("nftables", "nftables", nftables_reader.load),
+    Reader("userspace-nft", "userspace", lambda src: userspace.load("nft", src)),
+    Reader("userspace-legacy", "userspace", lambda src: userspace.load("legacy", src)),
 ]
 
 
@@ -73,6 +75,10 @@ def select(source: KernelSource, mode: str | None = None) -> Selection:
         view = reader.load(source)
         if view is not None:
             found.append(view)
+    # A view that reads another reader's dump (userspace mode's chains in an iptables
+    # backend) explains that reader's "not iptables mode" view: drop the latter.
+    covered = {c for v in found for c in getattr(v, "covers", ())}
+    found = [v for v in found if v.live or v.dataplane not in covered]
     live = [v for v in found if v.live]
     notes: list[str] = []
     views = live or found
@@ -87,6 +93,6 @@ def select(source: KernelSource, mode: str | None = None) -> Selection:
             + ("" if mode else "; pick one with --mode"),
         )
     if not found:
-        what = f"{mode} dataplane" if mode else "kube-proxy dataplane (iptables or nftables)"
+        what = f"{mode} dataplane" if mode else "kube-proxy dataplane (iptables, nftables, …)"
         notes.append(f"no {what} found in this network namespace")
     return Selection(views, found, notes)
