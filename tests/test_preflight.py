@@ -274,6 +274,23 @@ def test_a_missing_scheduler_module_blocks(fake: FakeNode) -> None:
     assert any("ipvs.scheduler" in c for c in missing.fix)
 
 
+def test_a_module_modprobe_d_disables_blocks(fake: FakeNode) -> None:
+    """`install ip_vs_rr /bin/false` (hardening guides do this): the file is there, modprobe
+    would not load it. The output is what kmod 30 prints for that line."""
+    fake.modules(available=IPVS_MODS)
+    fake.command(
+        ["modprobe", "-n", "-v", "ip_vs_rr"], 0, "insmod /x/ip_vs.ko \ninstall /bin/false \n"
+    )
+    fake.command(
+        ["modprobe", "-n", "-v", "xt_set"], 1, "", "modprobe: FATAL: Module xt_set not found"
+    )
+    result = run(fake, "ipvs", families=["kernel"])
+    refused = {f.subject: f for f in result.blocking if f.id == "kernel.module-missing"}
+    assert set(refused) == {"ip_vs_rr", "xt_set"} and result.exit_code == 1
+    assert "install /bin/false" in refused["ip_vs_rr"].found
+    assert refused["ip_vs_rr"].fix[0].startswith("grep -rn 'ip_vs_rr' /etc/modprobe.d")
+
+
 def test_built_in_modules_need_nothing(fake: FakeNode) -> None:
     fake.modules(builtin=IPVS_MODS)
     result = run(fake, "ipvs", families=["kernel"])

@@ -10,8 +10,10 @@ ipvs nodes came back from reboots without ip_vs; #70304, #63801).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kproxy.config import IPVS_SCHEDULERS
 from kproxy.ops.preflight.access import NodeAccess
@@ -142,6 +144,8 @@ class KernelModules:
     other_releases: list[str]
     persisted: dict[str, str] = field(default_factory=dict)  # module -> file
     modinfo: dict[str, str | None] = field(default_factory=dict)
+    # modprobe -n says it would not load these: module -> why ("install ip_vs /bin/false")
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def modular(self) -> bool:
@@ -163,6 +167,8 @@ class KernelModules:
             if name in self.sysmodule:
                 return "built-in"
             return "missing" if self.config is not None else "unknown"
+        if name in self.refused:
+            return "refused"
         if self.available is not None and name in self.available:
             return "loadable"
         if self.config is not None:
@@ -183,22 +189,38 @@ class KernelModules:
         return "unknown"
 
 
+def module_tree(access: NodeAccess) -> NodeAccess:
+    """Where modprobe looks for /lib/modules: the node's root, or the root that
+    MODPROBE_OPTIONS' --dirname names (modprobe then really loads from there, e.g. in the
+    UML guest, whose modules live outside /lib/modules)."""
+    if access.fake_root:
+        return access
+    words = os.environ.get("MODPROBE_OPTIONS", "").split()
+    for i, w in enumerate(words):
+        if w in ("-d", "--dirname") and i + 1 < len(words):
+            return NodeAccess(root=Path(words[i + 1]), runner=access.runner)
+        if w.startswith("--dirname="):
+            return NodeAccess(root=Path(w.split("=", 1)[1]), runner=access.runner)
+    return access
+
+
 def read_modules(access: NodeAccess) -> KernelModules:
     release = access.kernel_release()
     mod_dir = f"/lib/modules/{release}"
+    tree = module_tree(access)
     loaded_text = access.read("/proc/modules")
     loaded = (
         {_norm(line.split()[0]) for line in loaded_text.splitlines() if line.strip()}
         if loaded_text is not None
         else None
     )
-    builtin_text = access.read(f"{mod_dir}/modules.builtin")
+    builtin_text = tree.read(f"{mod_dir}/modules.builtin")
     builtin = (
         {_module_name(line) for line in builtin_text.splitlines() if line.strip()}
         if builtin_text is not None
         else None
     )
-    dep_text = access.read(f"{mod_dir}/modules.dep")
+    dep_text = tree.read(f"{mod_dir}/modules.dep")
     available = (
         {_module_name(line.split(":", 1)[0]) for line in dep_text.splitlines() if ":" in line}
         if dep_text is not None
@@ -209,10 +231,10 @@ def read_modules(access: NodeAccess) -> KernelModules:
         loaded=loaded,
         builtin=builtin,
         available=available,
-        config=_kernel_config(access, release),
+        config=_kernel_config(access, release) or _kernel_config(tree, release),
         sysmodule={_norm(n) for n in access.listdir("/sys/module")},
-        modules_dir=access.exists(mod_dir),
-        other_releases=[r for r in access.listdir("/lib/modules") if r != release],
+        modules_dir=tree.exists(mod_dir),
+        other_releases=[r for r in tree.listdir("/lib/modules") if r != release],
         persisted=read_persisted(access),
     )
 
@@ -255,6 +277,27 @@ def _fill_modinfo(access: NodeAccess, km: KernelModules, names: list[str]) -> No
         km.modinfo[name] = proc.stdout.strip() or None if proc.returncode == 0 else None
 
 
+# `modprobe -n -v` prints "install /bin/false" for a module modprobe.d replaces by a no-op.
+_DISABLED = re.compile(r"^install\s+(\S*/)?(false|true)\b")
+
+
+def _dry_run_modprobe(access: NodeAccess, km: KernelModules, mods: list[Module]) -> None:
+    """`modprobe -n -v` (a dry run) for the modules that look loadable: modprobe.d can
+    still refuse them (`install ip_vs /bin/false`, a common hardening line)."""
+    for m in mods:
+        if km.status(m) != "loadable":
+            continue
+        proc = access.runner(["modprobe", "-n", "-v", m.name], None)
+        if proc.returncode == 127:
+            return  # no kmod here: the files are all there is
+        lines = [ln.strip() for ln in proc.stdout.splitlines()]
+        disabled = next((ln for ln in lines if _DISABLED.match(ln)), None)
+        if disabled:
+            km.refused[_norm(m.name)] = f"modprobe.d says {disabled!r}"
+        elif proc.returncode != 0:
+            km.refused[_norm(m.name)] = f"modprobe fails: {proc.stderr.strip()}"
+
+
 # --- checks ---------------------------------------------------------------------------------
 
 
@@ -273,6 +316,7 @@ def check_modules(ctx: Context) -> list[Finding]:
     scheduler = ctx.target_config.ipvs.scheduler
     mods = required_modules(ctx.target, target_flavour(ctx), scheduler)
     _fill_modinfo(ctx.access, km, [m.name for m in mods])
+    _dry_run_modprobe(ctx.access, km, mods)
     out: list[Finding] = []
     if not km.modular:
         out.append(
@@ -301,7 +345,7 @@ def check_modules(ctx: Context) -> list[Finding]:
     for m in mods:
         status = km.status(m)
         facts = {"module": m.name, "status": status, "config": f"CONFIG_{m.config}"}
-        if status == "missing":
+        if status in ("missing", "refused"):
             out.append(_missing(ctx, km, m, facts))
         elif status == "unknown":
             out.append(
@@ -332,7 +376,9 @@ def check_modules(ctx: Context) -> list[Finding]:
 
 
 def _missing(ctx: Context, km: KernelModules, m: Module, facts: dict[str, object]) -> Finding:
-    if km.config is not None and km.config.get(f"CONFIG_{m.config}") == "m":
+    if _norm(m.name) in km.refused:
+        cause = f"modprobe would not load it ({km.refused[_norm(m.name)]})"
+    elif km.config is not None and km.config.get(f"CONFIG_{m.config}") == "m":
         cause = f"it is a module (CONFIG_{m.config}=m) but /lib/modules/{km.release} is missing"
     elif km.config is not None and f"CONFIG_{m.config}" not in km.config:
         cause = f"this kernel is built without CONFIG_{m.config}"
@@ -344,6 +390,11 @@ def _missing(ctx: Context, km: KernelModules, m: Module, facts: dict[str, object
         f"zcat /proc/config.gz | grep CONFIG_{m.config}  # or /boot/config-$(uname -r)",
         "apt-get install linux-modules-extra-$(uname -r)  # where the distribution splits modules",
     ]
+    if _norm(m.name) in km.refused:
+        fix = [
+            f"grep -rn '{m.name}' /etc/modprobe.d /run/modprobe.d /usr/lib/modprobe.d",
+            f"# remove the line that disables it, then: modprobe {m.name}",
+        ]
     if ctx.target == "ipvs" and m.name.startswith("ip_vs_"):
         other = [s for s in IPVS_SCHEDULERS if s != ctx.target_config.ipvs.scheduler]
         fix.append(f"# or set ipvs.scheduler to one the kernel has ({', '.join(other[:4])}, ...)")
@@ -401,8 +452,6 @@ def check_nftables(ctx: Context) -> list[Finding]:
     out: list[Finding] = []
     release = ctx.access.kernel_release()
     kv = _version(release)
-    import os
-
     if kv is not None and kv[:2] < MIN_NFT_KERNEL and not os.environ.get(SKIP_KERNEL_CHECK_ENV):
         out.append(
             block(
