@@ -274,6 +274,14 @@ def test_a_missing_scheduler_module_blocks(fake: FakeNode) -> None:
     assert any("ipvs.scheduler" in c for c in missing.fix)
 
 
+def test_schedulers_services_ask_for_are_checked_too(fake: FakeNode) -> None:
+    fake.modules(available=IPVS_MODS)
+    objs = web_objects()
+    objs[1]["metadata"]["annotations"] = {"ipvs.kproxy.io/scheduler": "mh"}
+    result = run(fake, "ipvs", families=["kernel"], objects=objs)
+    assert [f.subject for f in result.blocking] == ["ip_vs_mh"]
+
+
 def test_a_module_modprobe_d_disables_blocks(fake: FakeNode) -> None:
     """`install ip_vs_rr /bin/false` (hardening guides do this): the file is there, modprobe
     would not load it. The output is what kmod 30 prints for that line."""

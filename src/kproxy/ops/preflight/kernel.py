@@ -100,7 +100,9 @@ def scheduler_module(scheduler: str) -> Module:
     return Module(f"ip_vs_{sched}", f"IP_VS_{sched.upper()}", f"the {sched} IPVS scheduler")
 
 
-def required_modules(mode: str, flavour: str, scheduler: str = "") -> list[Module]:
+def required_modules(
+    mode: str, flavour: str, scheduler: str = "", extra_schedulers: tuple[str, ...] = ()
+) -> list[Module]:
     mods: list[Module] = list(_CONNTRACK)
     if mode in ("iptables", "ipvs", "userspace"):
         mods += [*_IPTABLES_BACKEND.get(flavour, _IPTABLES_BACKEND["nft"]), *_XT]
@@ -110,12 +112,23 @@ def required_modules(mode: str, flavour: str, scheduler: str = "") -> list[Modul
         mods += _NFTABLES_MODE
     elif mode == "ipvs":
         mods += [*_IPVS_MODE, scheduler_module(scheduler)]
+        mods += [scheduler_module(s) for s in extra_schedulers]
     elif mode == "userspace":
         mods += _USERSPACE_MODE
     seen: dict[str, Module] = {}
     for m in mods:
         seen.setdefault(m.name, m)
     return list(seen.values())
+
+
+def annotated_schedulers(ctx: Context) -> tuple[str, ...]:
+    """Schedulers Services ask for with ipvs mode's per-Service annotation."""
+    from kproxy.dataplane.ipvs.names import SCHEDULER_ANNOTATION
+
+    if ctx.target != "ipvs" or ctx.snapshot is None:
+        return ()
+    wanted = {sp.annotation(SCHEDULER_ANNOTATION) for sp in ctx.snapshot.services.values()}
+    return tuple(sorted(wanted & set(IPVS_SCHEDULERS)))
 
 
 def _norm(name: str) -> str:
@@ -314,7 +327,7 @@ def target_flavour(ctx: Context) -> str:
 def check_modules(ctx: Context) -> list[Finding]:
     km = read_modules(ctx.access)
     scheduler = ctx.target_config.ipvs.scheduler
-    mods = required_modules(ctx.target, target_flavour(ctx), scheduler)
+    mods = required_modules(ctx.target, target_flavour(ctx), scheduler, annotated_schedulers(ctx))
     _fill_modinfo(ctx.access, km, [m.name for m in mods])
     _dry_run_modprobe(ctx.access, km, mods)
     out: list[Finding] = []
