@@ -661,8 +661,8 @@ InspectModeOpt = Annotated[
     str | None,
     typer.Option(
         "--mode",
-        help="Which dataplane to read when two are live (mid-switch): "
-        "iptables, iptables-nft, iptables-legacy or nftables.",
+        help="Which dataplane to read when two are live (mid-switch): iptables, "
+        "iptables-nft, iptables-legacy, nftables, userspace, userspace-nft or userspace-legacy.",
     ),
 ]
 DriftSourceOpt = Annotated[
@@ -752,6 +752,13 @@ def trace_command(
     except (ModeSelectionError, ValueError, UserError) as err:
         raise fail(str(err)) from None
     typer.echo(result.to_json() if as_json else result.text())
+
+
+# --- verify (body in kproxy.ops.verify) ----------------------------------------------------------
+
+from kproxy.ops.verify import verify_command  # noqa: E402
+
+app.command("verify")(verify_command)
 
 
 # --- snapshot and diff ---------------------------------------------------------------------------
