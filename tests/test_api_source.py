@@ -17,10 +17,20 @@ from typing import Any
 
 import pytest
 
+from kproxy.config import ProxyConfig, apply_flags, load_config
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore, write_kubeconfig
 from kproxy.model.snapshot import ChangeTracker
+from kproxy.sources.agent import (
+    CURRENT_MODE,
+    LAST_ERROR,
+    OBSERVED,
+    SWITCH_STATE,
+    SWITCH_TARGET,
+    ClusterAgent,
+)
 from kproxy.sources.api import LABEL_SELECTOR, ApiSource, ClientConfigError, ClientSettings, Timing
 from kproxy.sources.base import ObjectEvent, ObjectKey
+from kproxy.sources.cluster import MODE_ANNOTATION, choose_source, node_ips_of, start_facts
 from kproxy.sources.kubeclient import connect
 from tests.objects import endpoint, endpoint_slice, service
 
@@ -600,3 +610,233 @@ def test_in_cluster_needs_the_service_environment(
     missing = ClientSettings(token_file=str(tmp_path / "token"), ca_file=str(tmp_path / "ca"))
     with pytest.raises(ClientConfigError, match="token"):
         asyncio.run(connect(missing))
+
+
+# --- choosing the source, and what the Node says before the proxy is built -------------------
+
+
+def _config(**flags: str) -> ProxyConfig:
+    return apply_flags(load_config(None), flags)[0]
+
+
+def test_source_choice_follows_kube_proxy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with_kc = _config(kubeconfig="/etc/kc")
+    assert choose_source(tmp_path, with_kc, None).path == tmp_path  # --source wins
+    api = choose_source(None, with_kc, "https://10.0.0.1:6443").api
+    assert api == ClientSettings(kubeconfig="/etc/kc", master="https://10.0.0.1:6443")
+    assert choose_source(None, _config(), "http://127.0.0.1:8080").api == ClientSettings(
+        master="http://127.0.0.1:8080"
+    )
+    with pytest.raises(ClientConfigError, match="--kubeconfig"):
+        choose_source(None, _config(), None)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    assert choose_source(None, _config(), None).api == ClientSettings()  # in-cluster
+
+
+def test_node_ips_prefer_internal_addresses() -> None:
+    obj = node()
+    obj["status"]["addresses"] = [
+        {"type": "Hostname", "address": "n1"},
+        {"type": "ExternalIP", "address": "203.0.113.5"},
+        {"type": "InternalIP", "address": "fd00::1"},
+        {"type": "InternalIP", "address": "10.0.0.7"},
+    ]
+    assert node_ips_of(obj) == ("10.0.0.7", "203.0.113.5")
+    assert node_ips_of(None) == ()
+
+
+def test_start_facts_take_node_ips_and_declared_mode_from_the_node(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    store.patch("Node", "", "n1", {"metadata": {"annotations": {MODE_ANNOTATION: "NFTables"}}})
+    src = make_source()
+    facts = start_facts(src, _config(), ())
+    assert facts.node_ips == ("10.100.0.1",)
+    assert facts.config.effective_mode == "nftables"
+    assert facts.configured_mode == "iptables"
+    # Explicit node IPs and a specific bindAddress win over the Node's addresses.
+    assert start_facts(src, _config(), ("10.1.1.1",)).node_ips == ("10.1.1.1",)
+    assert start_facts(src, _config(**{"bind-address": "10.2.2.2"}), ()).node_ips == ("10.2.2.2",)
+    # A mode that cannot run is not taken (the configured one serves; the agent reports it).
+    store.patch("Node", "", "n1", {"metadata": {"annotations": {MODE_ANNOTATION: "bpf"}}})
+    assert start_facts(src, _config(), ()).config.effective_mode == "iptables"
+
+
+def test_start_facts_without_a_node(make_source: Callable[..., ApiSource]) -> None:
+    src = make_source("absent")
+    facts = start_facts(src, _config(), (), wait=0.3)
+    assert facts.node is None and facts.node_ips == ()
+    assert facts.config.effective_mode == "iptables"
+
+
+# --- the cluster agent: declared mode and status on the Node -----------------------------------
+
+
+class FakeDataplane:
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+
+class FakeDaemon:
+    """Daemon.switch's contract without a kernel: a report dict, last_switch, the mode."""
+
+    def __init__(self, mode: str = "iptables", fail_with: str = "") -> None:
+        self.dataplane = FakeDataplane(mode)
+        self.last_switch: dict[str, object] | None = None
+        self.fail_with = fail_with
+        self.switches: list[str] = []
+
+    def switch(self, to: str, timeout: float = 60.0) -> dict[str, object]:
+        self.switches.append(to)
+        report: dict[str, object] = {
+            "from_mode": self.dataplane.mode,
+            "to_mode": to,
+            "ok": not self.fail_with,
+            "error": self.fail_with or None,
+            "duration": 0.25,
+        }
+        if not self.fail_with:
+            self.dataplane.mode = to
+        self.last_switch = report
+        return report
+
+
+def annotate(store: KubeApiStore, value: str | None) -> None:
+    store.patch("Node", "", "n1", {"metadata": {"annotations": {MODE_ANNOTATION: value}}})
+
+
+def node_annotations(store: KubeApiStore) -> dict[str, str]:
+    obj = store.get("Node", "", "n1")
+    assert obj is not None
+    return dict(obj["metadata"].get("annotations") or {})
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what or "condition not met"
+        time.sleep(0.02)
+
+
+def event_reasons(store: KubeApiStore) -> list[str]:
+    return [str(r.body["reason"]) for r in store.recorded("POST", "/events")]
+
+
+@pytest.fixture
+def agent_for(
+    make_source: Callable[..., ApiSource],
+) -> Iterator[Callable[[FakeDaemon], ClusterAgent]]:
+    agents: list[ClusterAgent] = []
+
+    def make(daemon: FakeDaemon) -> ClusterAgent:
+        src, _ = started(make_source)
+        agent = ClusterAgent(daemon, src, configured_mode="iptables", interval=0.05)
+        agent.start()
+        agents.append(agent)
+        return agent
+
+    yield make
+    for agent in agents:
+        agent.stop()
+
+
+def test_declared_mode_switches_and_is_reported_on_the_node(
+    store: KubeApiStore, agent_for: Callable[[FakeDaemon], ClusterAgent]
+) -> None:
+    daemon = FakeDaemon()
+    agent_for(daemon)
+    wait_until(lambda: node_annotations(store).get(CURRENT_MODE) == "iptables")
+    assert node_annotations(store)[SWITCH_STATE] == "idle"
+    assert daemon.switches == []
+
+    annotate(store, "nftables")
+    wait_until(lambda: node_annotations(store).get(SWITCH_STATE) == "succeeded")
+    ann = node_annotations(store)
+    assert daemon.switches == ["nftables"]
+    assert ann[CURRENT_MODE] == "nftables" and ann[SWITCH_TARGET] == "nftables"
+    assert ann[OBSERVED] == "nftables" and LAST_ERROR not in ann
+    wait_until(lambda: len(event_reasons(store)) == 2)
+    assert event_reasons(store) == ["ProxyModeSwitching", "ProxyModeSwitched"]
+    ev = store.recorded("POST", "/events")[-1]
+    assert ev.path == "/api/v1/namespaces/default/events"
+    assert ev.body["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "name": "n1",
+        "uid": "n1",
+    }
+    assert ev.body["type"] == "Normal" and "iptables to nftables" in ev.body["message"]
+    patches = store.recorded("PATCH", "/api/v1/nodes/n1")
+    assert patches and all(p.content_type == "application/merge-patch+json" for p in patches)
+    # The switching state was reported before the switch ran.
+    states = [p.body["metadata"]["annotations"].get(SWITCH_STATE) for p in patches]
+    assert states.index("switching") < states.index("succeeded")
+
+    annotate(store, None)  # removed: back to the configured mode
+    wait_until(lambda: node_annotations(store).get(CURRENT_MODE) == "iptables")
+    assert daemon.switches == ["nftables", "iptables"]
+    assert node_annotations(store)[OBSERVED] == ""
+
+
+def test_failed_switch_is_reported_and_not_retried(
+    store: KubeApiStore, agent_for: Callable[[FakeDaemon], ClusterAgent]
+) -> None:
+    daemon = FakeDaemon(fail_with="verify: 10.96.0.10:80 not programmed")
+    agent_for(daemon)
+    annotate(store, "ipvs")
+    wait_until(lambda: node_annotations(store).get(SWITCH_STATE) == "failed")
+    ann = node_annotations(store)
+    assert ann[CURRENT_MODE] == "iptables" and ann[SWITCH_TARGET] == "ipvs"
+    assert "not programmed" in ann[LAST_ERROR]
+    wait_until(lambda: "ProxyModeSwitchFailed" in event_reasons(store))
+    warning = store.recorded("POST", "/events")[-1].body
+    assert warning["type"] == "Warning" and "iptables keeps serving" in warning["message"]
+    time.sleep(0.3)
+    assert daemon.switches == ["ipvs"]  # edge-triggered: no retry loop
+
+    daemon.fail_with = ""
+    annotate(store, "nftables")
+    wait_until(lambda: node_annotations(store).get(SWITCH_STATE) == "succeeded")
+    assert LAST_ERROR not in node_annotations(store)
+
+
+def test_unknown_declared_mode_is_refused_without_switching(
+    store: KubeApiStore, agent_for: Callable[[FakeDaemon], ClusterAgent]
+) -> None:
+    daemon = FakeDaemon()
+    agent_for(daemon)
+    annotate(store, "ebpf")
+    wait_until(lambda: node_annotations(store).get(SWITCH_STATE) == "failed")
+    assert "'ebpf' is not a proxy mode" in node_annotations(store)[LAST_ERROR]
+    assert daemon.switches == []
+
+
+def test_switches_made_elsewhere_are_reported(
+    store: KubeApiStore, agent_for: Callable[[FakeDaemon], ClusterAgent]
+) -> None:
+    daemon = FakeDaemon()
+    agent_for(daemon)
+    wait_until(lambda: node_annotations(store).get(CURRENT_MODE) == "iptables")
+    daemon.switch("userspace")  # e.g. `kproxy switch` or the config file
+    wait_until(lambda: node_annotations(store).get(CURRENT_MODE) == "userspace")
+    assert node_annotations(store)[SWITCH_STATE] == "succeeded"
+    assert node_annotations(store)[OBSERVED] == ""
+
+
+def test_status_waits_out_an_outage(
+    store: KubeApiStore,
+    server: KubeApiServer,
+    agent_for: Callable[[FakeDaemon], ClusterAgent],
+) -> None:
+    daemon = FakeDaemon()
+    agent = agent_for(daemon)
+    wait_until(lambda: node_annotations(store).get(CURRENT_MODE) == "iptables")
+    server.stop()
+    daemon.switch("nftables")
+    time.sleep(0.3)
+    assert node_annotations(store)[CURRENT_MODE] == "iptables"
+    agent._retry_at = 0.0  # no need to wait out the backoff in a test
+    server.start()
+    wait_until(lambda: node_annotations(store).get(CURRENT_MODE) == "nftables", timeout=8)
+    wait_until(lambda: "ProxyModeSwitched" in event_reasons(store))

@@ -234,10 +234,30 @@ def parse_extra_flags(args: list[str]) -> dict[str, str]:
     return out
 
 
+RunSourceOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--source",
+        help="A YAML/JSON file or folder of Services, EndpointSlices and Nodes; watched. "
+        "Without it: the API server (--kubeconfig, --master, or in-cluster).",
+    ),
+]
+KubeconfigOpt = Annotated[
+    str | None,
+    typer.Option("--kubeconfig", help="kubeconfig of the API server to list and watch."),
+]
+MasterOpt = Annotated[
+    str | None,
+    typer.Option("--master", help="API server URL (overrides the kubeconfig's server)."),
+]
+
+
 @app.command(context_settings=EXTRA_FLAGS)
 def run(
     ctx: typer.Context,
-    source: SourceOpt,
+    source: RunSourceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    master: MasterOpt = None,
     config_path: ConfigOpt = None,
     mode: ModeOpt = None,
     hostname: HostOpt = None,
@@ -262,8 +282,9 @@ def run(
 ) -> None:
     """Run the proxy in the current network namespace (use `ip netns exec` for a lab node).
 
-    Programs the node's dataplane from --source and keeps it in sync until stopped. On exit
-    the rules stay in place: the dataplane outlives the process, and the next start adopts it.
+    Programs the node's dataplane from --source (or the API server) and keeps it in sync
+    until stopped. On exit the rules stay in place: the dataplane outlives the process, and
+    the next start adopts it.
     Every other kube-proxy flag is accepted in its usual form (--name=value), e.g.
     --conntrack-max-per-core=0, --oom-score-adj=-999, --config-sync-period=15m.
     """
@@ -292,22 +313,32 @@ def run(
         )
         flags["metrics-bind-address"] = metrics_bind
         flags["healthz-bind-address"] = healthz_bind
+        flags["kubeconfig"] = kubeconfig
         flags.update(extra)
         config, _ = build_config(config_path, flags)  # config.py logs the flags it ignores
         from kproxy.daemon import Daemon
+        from kproxy.sources.cluster import ClientConfigError, prepare_source
 
         if backend not in ("auto", "nft", "legacy"):
             raise UserError(f"--iptables-backend: {backend!r} is not auto, nft or legacy")
+        try:
+            # The file source, or the API server (whose Node may give node IPs and a mode).
+            objects = prepare_source(
+                source, master, config, _node_name(config), tuple(node_ip or ())
+            )
+        except ClientConfigError as err:
+            raise UserError(str(err)) from None
         daemon = Daemon(
-            config,
-            source=source,
+            objects.config,
+            source=objects.source,
             iptables_backend=backend,
-            node_ips=tuple(node_ip or ()),
+            node_ips=objects.node_ips,
             state_dir=state_dir,
             node_name=_node_name(config),
             config_path=config_path,
         )
         daemon.start()
+        objects.started(daemon)
     except (UserError, DataplaneUnavailable) as err:
         # DataplaneUnavailable: the mode cannot run on this node (e.g. ipvs without ip_vs).
         raise fail(str(err)) from None
@@ -320,6 +351,7 @@ def run(
         while not stop.wait(1.0):
             pass
     finally:
+        objects.stop()
         daemon.stop()
         log.info("stopped; the rules stay in place")
 

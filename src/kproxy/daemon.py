@@ -22,6 +22,7 @@ from kproxy.server.admin import SOCKET_NAME, AdminServer
 from kproxy.server.http import HealthState, health_server, metrics_server
 from kproxy.server.metrics import ProxyMetrics
 from kproxy.server.service_health import ServiceHealthServer
+from kproxy.sources.base import Source
 from kproxy.sources.files import FileSource
 from kproxy.switch import ModeSwitcher
 from kproxy.sync import ProxyLoop
@@ -35,7 +36,7 @@ class Daemon:
         self,
         config: ProxyConfig,
         *,
-        source: Path,
+        source: Path | Source,
         node_name: str,
         iptables_backend: str = "auto",
         node_ips: tuple[str, ...] = (),
@@ -45,9 +46,12 @@ class Daemon:
         self.config = config
         self.config_watch = ConfigWatch(config_path, self) if config_path else None
         self.node_name = node_name
-        if not Path(source).exists():
-            raise FileNotFoundError(2, "no such file or folder", str(source))
-        self.source = FileSource(source)
+        if isinstance(source, str | Path):
+            if not Path(source).exists():
+                raise FileNotFoundError(2, "no such file or folder", str(source))
+            self.source: Source = FileSource(source)
+        else:
+            self.source = source  # any other Source, e.g. the API server's (sources/api.py)
         self.tracker = ChangeTracker(node_name)
         options = rule_options(config)
         # Before the node facts are read: tcpBeLiberal changes which rules are written.

@@ -117,20 +117,19 @@ def label_matches(selector: str, labels: dict[str, str]) -> bool:
 
 
 def field_matches(selector: str, obj: Obj) -> bool:
-    meta = obj.get("metadata") or {}
+    """Field selectors as dotted paths (metadata.name, involvedObject.name, reason, ...)."""
     for term in (t.strip() for t in selector.split(",")):
         if not term:
             continue
         neg = "!=" in term
         k, v = term.split("!=" if neg else "=", 1)
-        k = k.strip()
-        if k == "metadata.name":
-            value = meta.get("name", "")
-        elif k == "metadata.namespace":
-            value = meta.get("namespace", "")
-        else:
-            raise ApiStatus(400, "BadRequest", f'field label not supported: "{k}"')
-        if (value == v.strip().lstrip("=")) == neg:
+        path = k.strip()
+        if not re.fullmatch(r"[A-Za-z]+(\.[A-Za-z]+)*", path):
+            raise ApiStatus(400, "BadRequest", f'field label not supported: "{path}"')
+        value: Any = obj
+        for part in path.split("."):
+            value = value.get(part, "") if isinstance(value, dict) else ""
+        if (str(value) == v.strip().lstrip("=")) == neg:
             return False
     return True
 
@@ -228,6 +227,8 @@ class KubeApiStore:
 
     def create(self, obj: Obj) -> Obj:
         k = BY_KIND[obj["kind"]]
+        if k.kind == "Service":
+            self._allocate_cluster_ip(obj)
         meta = obj.get("metadata") or {}
         ns = (meta.get("namespace") or "default") if k.namespaced else ""
         if "name" not in meta and meta.get("generateName"):
@@ -239,6 +240,24 @@ class KubeApiStore:
                     409, "AlreadyExists", f'{k.plural} "{meta.get("name")}" already exists'
                 )
         return self._write(k, ns, meta["name"], obj, "ADDED")
+
+    def _allocate_cluster_ip(self, obj: Obj) -> None:
+        """As the real server: a Service without spec.clusterIP gets one (10.96.0.0/16)."""
+        spec = obj.setdefault("spec", {})
+        if spec.get("clusterIP") or spec.get("type") == "ExternalName":
+            return
+        with self._cond:
+            used = {
+                o.get("spec", {}).get("clusterIP")
+                for (p, _, _), o in self._objects.items()
+                if p == "services"
+            }
+        for n in range(100, 65000):
+            ip = f"10.96.{n // 256}.{n % 256}"
+            if ip not in used:
+                spec["clusterIP"] = ip
+                spec["clusterIPs"] = [ip]
+                return
 
     def delete(self, kind: str, namespace: str, name: str) -> Obj:
         k = BY_KIND[kind]

@@ -21,7 +21,7 @@ class ProxyProcess:
     def __init__(
         self,
         lab: Lab,
-        source: Path,
+        source: Path | None,
         *,
         config: Path | None = None,
         args: Sequence[str] = (),
@@ -37,7 +37,9 @@ class ProxyProcess:
         self.proc: subprocess.Popen[Any] | None = None
 
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "kproxy.cli", "run", "--source", str(self.source)]
+        argv = [sys.executable, "-m", "kproxy.cli", "run"]
+        if self.source is not None:  # None: objects from an API server (--kubeconfig in args)
+            argv += ["--source", str(self.source)]
         if self.config is not None:
             argv += ["--config", str(self.config)]
         argv += ["--state-dir", str(self.state_dir), "--node-ip", self.lab.node_ip, *self.args]

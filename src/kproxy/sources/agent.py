@@ -1,0 +1,280 @@
+"""The cluster-declared proxy mode: follow the Node's annotation, report progress on the Node.
+
+A rollout controller (or a person with kubectl) sets `proxy.kproxy.io/mode` on a Node; the
+kproxy on that node switches live (Daemon.switch: make before break, verified, rolled back
+on failure) and writes what happened back onto its Node as annotations, plus a Kubernetes
+Event per switch, so progress can be watched from the API alone:
+
+  proxy.kproxy.io/current-mode   the mode serving now
+  proxy.kproxy.io/mode-observed  the declared value this kproxy has acted on ("" = none)
+  proxy.kproxy.io/switch-state   idle, switching, succeeded or failed (the last switch)
+  proxy.kproxy.io/switch-target  the mode the last switch went to
+  proxy.kproxy.io/last-error     why the last switch failed (absent when it did not)
+
+The annotation is edge-triggered: kproxy acts when its value changes (removing it leads back
+to the configured mode); a failed switch is not retried until the value changes again, so a
+mode that cannot work never causes repeated disruption. Switches made another way (the config
+file, `kproxy switch`) are reported the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import aiohttp
+
+from kproxy.dataplane.base import VALID_MODES
+from kproxy.sources.api import ApiSource
+from kproxy.sources.cluster import MODE_ANNOTATION, annotations_of, declared_mode
+from kproxy.sources.kubeclient import ApiError, json_request
+from kproxy.sources.reflector import TRANSIENT, Backoff, describe_error
+
+log = logging.getLogger("kproxy.sources.agent")
+
+PREFIX = "proxy.kproxy.io/"
+CURRENT_MODE = PREFIX + "current-mode"
+OBSERVED = PREFIX + "mode-observed"
+SWITCH_STATE = PREFIX + "switch-state"
+SWITCH_TARGET = PREFIX + "switch-target"
+LAST_ERROR = PREFIX + "last-error"
+STATUS_ANNOTATIONS = (CURRENT_MODE, OBSERVED, SWITCH_STATE, SWITCH_TARGET, LAST_ERROR)
+
+# Events about Nodes live in "default" and name the Node by its name as UID, as kube-proxy's
+# and the kubelet's do, so `kubectl describe node` lists them.
+EVENT_NAMESPACE = "default"
+COMPONENT = "kproxy"
+
+_TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
+
+
+def _mode_of(daemon: Any) -> str:
+    return str(daemon.dataplane.mode)
+
+
+class ClusterAgent:
+    """See the module docstring. start() after the daemon serves; stop() before it stops."""
+
+    def __init__(
+        self,
+        daemon: Any,
+        source: ApiSource,
+        *,
+        configured_mode: str,
+        interval: float = 1.0,
+        switch_timeout: float = 60.0,
+    ) -> None:
+        self.daemon = daemon
+        self.source = source
+        self.node_name = source.node_name
+        self.configured_mode = configured_mode
+        self.interval = interval
+        self.switch_timeout = switch_timeout
+        self.state = "idle"
+        self.target = ""
+        self.error = ""
+        self.observed = ""  # the declared value last acted on
+        self._handled: str | None = None
+        self._seen_switch: object = daemon.last_switch
+        self._node: dict[str, Any] | None = source.node
+        self._reported: dict[str, str | None] = {}
+        self._events: list[dict[str, Any]] = []
+        self._backoff = Backoff(1.0, 30.0)
+        self._retry_at = 0.0
+        self._failing = ""
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        source.node_listeners.append(self._on_node)
+
+    def start(self) -> None:
+        if self._node is None:
+            self._node = self.source.node
+        self._thread = threading.Thread(target=self._run, name="cluster-agent", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.switch_timeout + 15)
+        if self._on_node in self.source.node_listeners:
+            self.source.node_listeners.remove(self._on_node)
+
+    def _on_node(self, node: dict[str, Any] | None) -> None:
+        self._node = node
+        self._wake.set()
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:
+                log.exception("cluster agent step failed")
+            self._wake.wait(self.interval)
+            self._wake.clear()
+
+    def step(self) -> None:
+        """Act on a changed declaration, notice other switches, push status and events."""
+        node = self._node
+        want = declared_mode(node)
+        if node is not None and want != self._handled:
+            self._handled = want
+            self._declared(want)
+        self._notice_other_switches()
+        self._flush()
+
+    def _declared(self, want: str | None) -> None:
+        self.observed = want or ""
+        target = want or self.configured_mode
+        current = _mode_of(self.daemon)
+        if target not in VALID_MODES:
+            self._failed(
+                target,
+                f"{MODE_ANNOTATION}: {target!r} is not a proxy mode ({', '.join(VALID_MODES)})",
+            )
+            return
+        if target == current:
+            return
+        why = f"{MODE_ANNOTATION}={want}" if want else f"{MODE_ANNOTATION} removed"
+        log.info("Node %s: %s; switching live from %s to %s", self.node_name, why, current, target)
+        self.state, self.target, self.error = "switching", target, ""
+        self._event("Normal", "ProxyModeSwitching", f"Switching from {current} to {target} ({why})")
+        self._flush()
+        report = self.daemon.switch(target, timeout=self.switch_timeout)
+        self._seen_switch = self.daemon.last_switch
+        self._finished(report)
+
+    def _finished(self, report: dict[str, object]) -> None:
+        from_mode, to_mode = str(report.get("from_mode", "")), str(report.get("to_mode", ""))
+        if report.get("ok"):
+            self.state, self.target, self.error = "succeeded", to_mode, ""
+            seconds = report.get("duration")
+            took = f" in {seconds:.2f} s" if isinstance(seconds, int | float) else ""
+            self._event(
+                "Normal", "ProxyModeSwitched", f"Switched from {from_mode} to {to_mode}{took}"
+            )
+        else:
+            self._failed(to_mode, str(report.get("error") or "unknown error"), from_mode)
+
+    def _failed(self, target: str, error: str, from_mode: str = "") -> None:
+        self.state, self.target, self.error = "failed", target, error
+        current = from_mode or _mode_of(self.daemon)
+        log.error(
+            "Node %s: switch to %s failed, %s keeps serving: %s",
+            self.node_name,
+            target,
+            current,
+            error,
+        )
+        self._event(
+            "Warning",
+            "ProxyModeSwitchFailed",
+            f"Switch from {current} to {target} failed; {current} keeps serving: {error}",
+        )
+
+    def _notice_other_switches(self) -> None:
+        last = self.daemon.last_switch
+        if last is not None and last is not self._seen_switch:
+            self._seen_switch = last
+            self._finished(last)
+
+    # --- talking to the API server -------------------------------------------------------------
+
+    def status(self) -> dict[str, str | None]:
+        return {
+            CURRENT_MODE: _mode_of(self.daemon),
+            OBSERVED: self.observed,
+            SWITCH_STATE: self.state,
+            SWITCH_TARGET: self.target or None,
+            LAST_ERROR: self.error[:1000] or None,  # None removes it (merge patch)
+        }
+
+    def _event(self, type_: str, reason: str, message: str) -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._events.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {
+                    "name": f"{self.node_name}.{time.time_ns():x}",
+                    "namespace": EVENT_NAMESPACE,
+                },
+                "involvedObject": {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "name": self.node_name,
+                    "uid": self.node_name,
+                },
+                "type": type_,
+                "reason": reason,
+                "message": message,
+                "source": {"component": COMPONENT, "host": self.node_name},
+                "reportingComponent": COMPONENT,
+                "reportingInstance": self.node_name,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            }
+        )
+
+    def _flush(self) -> None:
+        """Send the status annotations that changed and the queued events; on failure keep
+        them for the next step, retrying with backoff (logged once per failure)."""
+        if time.monotonic() < self._retry_at:
+            return
+        want = self.status()
+        current = annotations_of(self._node)
+        patch = {k: v for k, v in want.items() if self._reported.get(k, "\0") != v}
+        # A key that is absent on the Node needs no removal.
+        patch = {k: v for k, v in patch.items() if v is not None or k in current}
+        try:
+            if patch:
+                body = {"metadata": {"annotations": patch}}
+                self.source.call(self._patch(body), timeout=15)
+            self._reported.update(want)
+            while self._events:
+                try:
+                    self.source.call(self._post(self._events[0]), timeout=15)
+                except ApiError as err:
+                    if not 400 <= err.code < 500 or err.code == 429:
+                        raise
+                    # Refused for good (e.g. RBAC): retrying would not help.
+                    log.warning("Node %s: event refused: %s", self.node_name, err)
+                self._events.pop(0)
+        except (*TRANSIENT, TimeoutError) as err:
+            text = describe_error(err)
+            if text != self._failing:
+                log.warning("Node %s: could not report status: %s; retrying", self.node_name, text)
+                self._failing = text
+            self._retry_at = time.monotonic() + self._backoff.next()
+            if len(self._events) > 50:
+                del self._events[:-50]  # an old event is worth less than memory
+            return
+        if self._failing:
+            log.info("Node %s: status reported again", self.node_name)
+        self._failing = ""
+        self._backoff.reset()
+
+    async def _patch(self, body: dict[str, Any]) -> None:
+        await json_request(
+            self.source.connection,
+            "PATCH",
+            f"/api/v1/nodes/{self.node_name}",
+            body=body,
+            content_type="application/merge-patch+json",
+            timeout=_TIMEOUT,
+        )
+
+    async def _post(self, event: dict[str, Any]) -> None:
+        await json_request(
+            self.source.connection,
+            "POST",
+            f"/api/v1/namespaces/{EVENT_NAMESPACE}/events",
+            body=event,
+            timeout=_TIMEOUT,
+        )
