@@ -371,3 +371,16 @@ def test_worker_connection_counts_as_ipvsadm_counts_them() -> None:
         "k": {"10.244.0.2:8080": [1, 2], "10.244.0.3:8080": [1, 0]},
         "u": {"10.244.0.2:8080": [0, 1]},
     }
+
+
+def test_redirect_rules_without_a_node_ip_lead_to_the_same_listener() -> None:
+    # Without a node IP the renderer REDIRECTs (to the incoming interface's address).
+    facts = NodeFacts(node_ips=(), local_addresses=(NODE_IP, "127.0.0.1"))
+    p = render_plan(snapshot_from_objects(objects(), "node1"), facts, OPTIONS)
+    save = save_text(p)
+    assert "-j REDIRECT --to-ports" in save and "--to-destination" not in save
+    result = trace(CLIENT, "10.96.0.10", 80, source=source(p))
+    assert result.destinations() == {f"{ip}:8080" for ip in PODS}
+    (dp,) = list_services(source=source(p)).dataplanes
+    web = dp.server("tcp", "10.96.0.10", 80)
+    assert web is not None and len(web.endpoints) == 3

@@ -736,7 +736,8 @@ def list_command(
 ) -> None:
     """The services the kernel programs now, in the `ipvsadm -Ln` layout: each virtual
     address with its scheduler and flags, each endpoint with ActiveConn / InActConn from
-    conntrack. Read from the kernel, so it shows what is really there."""
+    conntrack (from the workers in userspace mode). Read from the kernel, so it shows what
+    is really there."""
     from kproxy.ops.inspect import ModeSelectionError, list_services
 
     try:
@@ -765,7 +766,8 @@ def trace_command(
     hostname: HostOpt = None,
 ) -> None:
     """Where a new connection goes and why: the chain and rule path (iptables), the
-    map and chain path (nftables), computed from the rules read back from the kernel."""
+    map and chain path (nftables), the redirect rules to a worker's listener and its choice
+    of endpoint (userspace), computed from what the kernel and the workers hold."""
     from kproxy.ops.inspect import ModeSelectionError, trace
 
     ip, sep, port_text = to.rpartition(":")
