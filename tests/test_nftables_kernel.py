@@ -301,6 +301,21 @@ def test_table_lookup_and_detach_go_over_netlink(netns: str) -> None:
     assert "a" not in backend.chains("ip", "kube-proxy")
 
 
+def test_netlink_table_listing_matches_nft(netns: str) -> None:
+    nft(
+        netns,
+        "-f",
+        "-",
+        input="add table ip a\nadd table ip6 b\nadd table inet c\nadd table bridge d\n"
+        "add table arp e\nadd table netdev f\n",
+    )
+    backend = NftBackend(netns=netns)
+    by_netlink = sorted(map(str, backend.tables()))
+    by_nft = sorted(f"{t['table']['family']} {t['table']['name']}"
+                    for t in backend.list_json("tables") if "table" in t)
+    assert by_netlink == by_nft == ["arp e", "bridge d", "inet c", "ip a", "ip6 b", "netdev f"]
+
+
 def test_drifted_and_cleanup_touch_only_our_tables(netns: str) -> None:
     nft(
         netns,

@@ -139,7 +139,9 @@ def plane_services(plane: str, netns: str | None = None) -> dict[ServiceKey, str
 
 
 def _nft_services(text: str) -> dict[ServiceKey, str]:
-    if not text.strip():
+    # The ruleset also holds iptables-nft's tables (megabytes of JSON at 1,000 services):
+    # without kube-proxy's service map there is nothing to decode.
+    if '"service-ips"' not in text:
         return {}
     try:
         items = json.loads(text).get("nftables", [])

@@ -25,6 +25,8 @@ from kproxy.dataplane.nftables.steps import netlink_ops, op_line, split
 from kproxy.dataplane.nftables.transaction import Transaction
 
 log = logging.getLogger(__name__)
+# nf_tables address families as nft names them (NFPROTO_*)
+NFPROTO_NAMES: Final = {1: "inet", 2: "ip", 3: "arp", 5: "netdev", 7: "bridge", 10: "ip6"}
 
 Version = tuple[int, int, int]
 _ERROR_RE: Final = re.compile(r"^(?:/dev/stdin|-):(\d+):[\d-]+: Error: (.*)$", re.MULTILINE)
@@ -246,6 +248,14 @@ class NftBackend:
         return [i for i in items if isinstance(i, dict) and "metainfo" not in i]
 
     def tables(self) -> list[TableRef]:
+        try:
+            if self._netlink is None:
+                self._netlink = NftNetlink(self.netns)
+            found = self._netlink.list_tables()
+            if all(f in NFPROTO_NAMES for f, _ in found):
+                return [TableRef(NFPROTO_NAMES[f], name) for f, name in found]
+        except (NetlinkError, OSError) as err:
+            log.debug("netlink table listing failed (%s); asking nft", err)
         return [
             TableRef(t["table"]["family"], t["table"]["name"])
             for t in self.list_json("tables")

@@ -37,6 +37,7 @@ NLMSG_ERROR: Final = 2
 NLMSG_DONE: Final = 3
 NLM_F_REQUEST: Final = 0x1
 NLM_F_ACK: Final = 0x4
+NLM_F_DUMP: Final = 0x300
 NLM_F_CREATE: Final = 0x400
 NLA_F_NESTED: Final = 0x8000
 CLONE_NEWNET: Final = 0x40000000
@@ -336,3 +337,50 @@ class NftNetlink:
                     if kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
                         found = True
                 offset += max(length, 16) + (-length % 4)
+
+    def list_tables(self) -> list[tuple[int, str]]:
+        """(address family, name) of every nf_tables table in the namespace, from one dump
+        request (nft 1.0.6 `list tables` first dumps every object of every table)."""
+        sock = self._socket()
+        seq = self._seq
+        self._seq += 1
+        msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE
+        sock.send(
+            struct.pack("=IHHII", 20, msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
+            + struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)
+        )
+        found: list[tuple[int, str]] = []
+        while True:
+            try:
+                data = sock.recv(1 << 20)
+            except TimeoutError as err:
+                raise NetlinkError("no answer from nf_tables within 10 s") from err
+            offset = 0
+            while offset + 16 <= len(data):
+                length, kind, _, got_seq, _ = struct.unpack_from("=IHHII", data, offset)
+                if got_seq == seq:
+                    if kind == NLMSG_DONE:
+                        return found
+                    if kind == NLMSG_ERROR:
+                        (code,) = struct.unpack_from("=i", data, offset + 16)
+                        raise NetlinkError(
+                            f"nf_tables: list tables: {os.strerror(-code)}", errno_=-code
+                        )
+                    if kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
+                        family = data[offset + 16]
+                        name = _attr_string(data, offset + 20, offset + length, NFTA_TABLE_NAME)
+                        if name is not None:
+                            found.append((family, name))
+                offset += max(length, 16) + (-length % 4)
+
+
+def _attr_string(data: bytes, start: int, end: int, kind: int) -> str | None:
+    """The string attribute `kind` among the netlink attributes in data[start:end]."""
+    while start + 4 <= end:
+        length, attr = struct.unpack_from("=HH", data, start)
+        if length < 4:
+            return None
+        if attr & 0x3FFF == kind:
+            return data[start + 4 : start + length].rstrip(b"\0").decode()
+        start += length + (-length % 4)
+    return None
