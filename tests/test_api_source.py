@@ -840,3 +840,36 @@ def test_status_waits_out_an_outage(
     server.start()
     wait_until(lambda: node_annotations(store).get(CURRENT_MODE) == "nftables", timeout=8)
     wait_until(lambda: "ProxyModeSwitched" in event_reasons(store))
+
+
+def test_kubeconfig_token_file_is_read_again_when_rotated(
+    store: KubeApiStore, server: KubeApiServer, tmp_path: Path
+) -> None:
+    import json
+
+    (tmp_path / "token").write_text("first\n")
+    kc = tmp_path / "kubeconfig.conf"
+    kc.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": server.url}}],
+                # kubeadm's kube-proxy kubeconfig: the service-account token by file.
+                "users": [{"name": "u", "user": {"tokenFile": "token"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    store.token = "first"
+    src = ApiSource("n1", ClientSettings(kubeconfig=str(kc)), timing=FAST)
+    try:
+        src.start(Sink())
+        (tmp_path / "token").write_text("second\n")  # the kubelet rotated it
+        store.token = "second"
+        node_obj = src.fetch_node(wait=0.5)
+        assert node_obj is not None and node_obj["metadata"]["name"] == "n1"
+        assert store.requests[-1].path == "/api/v1/nodes/n1"
+    finally:
+        src.stop()

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,24 @@ class ClientSettings:
         return "in-cluster service account"
 
 
+def _token_file_hook(token_file: Path) -> Callable[[k8s.Configuration], None]:
+    seen: list[int] = [-1]
+
+    def refresh(cfg: k8s.Configuration) -> None:
+        try:
+            mtime = token_file.stat().st_mtime_ns
+            if mtime == seen[0]:
+                return
+            token = token_file.read_text().strip()
+        except OSError:
+            return  # keep the token we have; the request tells if it is no longer good
+        if token:
+            cfg.api_key["BearerToken"] = f"Bearer {token}"
+            seen[0] = mtime
+
+    return refresh
+
+
 def in_cluster_available() -> bool:
     """Whether this process runs in a pod with a service account (what kube-proxy checks)."""
     return bool(os.environ.get(SERVICE_HOST_ENV_NAME))
@@ -92,8 +110,16 @@ async def connect(settings: ClientSettings) -> Connection:
             raise ClientConfigError(f"kubeconfig {path}: {err}") from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ClientConfigError(f"kubeconfig {path} is not usable: {err}") from None
-        if "exec" in getattr(loader, "_user", {}) or getattr(loader, "provider", "") == "gcp":
+        user = getattr(loader, "_user", None) or {}
+        if "exec" in user or getattr(loader, "provider", "") == "gcp":
             refreshers.append(asyncio.create_task(kube_config.refresh_token(loader, cfg)))
+        elif "tokenFile" in user and "token" not in user:
+            # kubeadm's kube-proxy kubeconfig names the pod's service-account token file,
+            # which the kubelet rotates: read it again when it changes, not once.
+            token_file = Path(str(user["tokenFile"]))
+            if not token_file.is_absolute():
+                token_file = path.parent / token_file
+            cfg.refresh_api_key_hook = _token_file_hook(token_file)
         if settings.master:
             cfg.host = settings.master.rstrip("/")
     elif settings.master:
