@@ -828,3 +828,30 @@ def test_json_report_shape(fake: FakeNode) -> None:
     assert doc["safe"] is False and doc["exit_code"] == 1 and doc["target"] == "nftables"
     assert doc["counts"]["block"] == 1
     assert set(doc["findings"][0]) >= {"id", "severity", "found", "why", "fix"}
+
+
+def test_the_kernel_state_reads_a_section_only_when_a_check_needs_it(fake: FakeNode) -> None:
+    from kproxy.ops.preflight.kernelstate import KernelState
+    from kproxy.ops.snapshot import services
+
+    table = {"nftables": [{"table": {"family": "ip", "name": "kube-proxy", "handle": 1}}]}
+    fake.command(["nft", "-j", "list", "table", "ip", "kube-proxy"], 0, json.dumps(table))
+    fake.command(
+        ["nft", "-j", "list", "table", "ip6", "kube-proxy"],
+        1,
+        "",
+        "Error: No such file or directory",
+    )
+    fake.command(["iptables-nft-save"], 0, ipt_save())
+    state = KernelState(fake.access())
+    assert state["iptables-nft"]["output"] == ipt_save()
+    assert [a for a in fake.ran if a[0] != "iptables-nft-save"] == []
+    nft = state["nftables"]
+    assert nft["ok"] and json.loads(nft["output"]) == table, "a missing ip6 table is no error"
+    assert ["nft", "-j", "list", "ruleset"] not in fake.ran
+    doc = json.loads(json.dumps(state.document()))
+    assert doc["format"] == "kproxy-snapshot/v1" and doc["conntrack"] == {
+        "count": 10,
+        "max": 262144,
+    }
+    assert set(services(doc)) == {"iptables-nft"}

@@ -248,13 +248,12 @@ def run_doctor(
     # -- the kernel, read once ----------------------------------------------------------------
     from kproxy.ops.inspect.kernel import KernelSource
     from kproxy.ops.inspect.readers import select
-    from kproxy.ops.snapshot import services as programmed_services
 
     selection = select(kernel_source or KernelSource(acc.netns))
     live = [v for v in selection.views if v.live]
     result.dataplanes = [v.dataplane for v in live]
     result.notes += [n for n in selection.notes if "mid-switch" in n]
-    planes = programmed_services(ctx.kernel_snapshot)
+    planes = ctx.programmed
     servers = [vs for v in live for vs in v.services()] if live else None
     programmed = {(k.proto, k.ip, k.port) for plane in planes.values() for k in plane}
     plane_names = result.dataplanes or sorted(planes)

@@ -1,7 +1,8 @@
 """A verified backup of the dataplane serving now, taken before anything changes.
 
-The backup is ops.snapshot.take() (iptables-save of both backends, the nft ruleset, IPVS,
-ipsets, kube-ipvs0, conntrack usage), written to a file and read back: it must parse, be
+The backup is a document in ops.snapshot.take()'s format (iptables-save of both backends,
+the kube-proxy nft tables, IPVS, ipsets, kube-ipvs0, conntrack usage; kernelstate.py),
+written to a file and read back: it must parse, be
 non-empty for the current mode and hold that mode's kube-proxy state (KUBE-SERVICES, the
 kube-proxy nft table, IPVS virtual servers), with the same service destinations as the
 kernel. The finding carries the commands that restore it.
@@ -16,6 +17,7 @@ from typing import Any
 
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, block, info, warn
+from kproxy.ops.preflight.kernelstate import KernelState
 from kproxy.ops.snapshot import services
 
 KEEP_BACKUPS = 5
@@ -96,7 +98,7 @@ def _prune(folder: Path) -> None:
 
 def check_backup(ctx: Context) -> list[Finding]:
     snap = ctx.kernel_snapshot
-    found = services(snap)
+    found = ctx.programmed
     mode = ctx.current_mode
     if mode is None:
         return [
@@ -162,7 +164,8 @@ def check_backup(ctx: Context) -> list[Finding]:
                 )
             ]
     path = default_path(ctx)
-    text = json.dumps(snap, indent=1) + "\n"
+    document = snap.document() if isinstance(snap, KernelState) else dict(snap)
+    text = json.dumps(document, indent=1) + "\n"
     if path is None:
         return [
             info(

@@ -10,7 +10,7 @@ import contextlib
 import ipaddress
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -101,7 +101,7 @@ class Context:
     config_override: ProxyConfig | None = None
     objects_override: list[dict[str, Any]] | None = None
     # ops.snapshot.take by default; tests give recorded dataplanes.
-    snapshot_taker: Callable[[str | None], dict[str, Any]] | None = None
+    snapshot_taker: Callable[[str | None], Mapping[str, Any]] | None = None
     notes: list[str] = field(default_factory=list)
 
     # -- configuration --------------------------------------------------------------------
@@ -167,13 +167,21 @@ class Context:
     # -- the node -------------------------------------------------------------------------
 
     @cached_property
-    def kernel_snapshot(self) -> dict[str, Any]:
-        """ops.snapshot.take() in the node's namespace: read once, shared by the checks."""
+    def kernel_snapshot(self) -> Mapping[str, Any]:
+        """The node's dataplane in ops.snapshot.take()'s shape, each section read once on
+        first use (kernelstate.py), shared by the checks."""
         if self.snapshot_taker is not None:
             return self.snapshot_taker(self.access.netns)
-        from kproxy.ops.snapshot import take
+        from kproxy.ops.preflight.kernelstate import KernelState
 
-        return take(self.access.netns)
+        return KernelState(self.access)
+
+    @cached_property
+    def programmed(self) -> dict[str, dict[Any, str]]:
+        """ops.snapshot.services() of the kernel state: per dataplane, what it programs."""
+        from kproxy.ops.snapshot import services
+
+        return services(self.kernel_snapshot)  # type: ignore[arg-type]
 
     @cached_property
     def addresses(self) -> list[tuple[str, str, str]]:
