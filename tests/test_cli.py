@@ -146,11 +146,15 @@ def test_mode_typos_are_errors_listing_valid_modes(mode: str) -> None:
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("mode", ["ipvs"])
-def test_modes_of_later_issues_fail_clearly_instead_of_falling_back(mode: str) -> None:
-    proc = kproxy("render", "--source", str(EXAMPLES), "--proxy-mode", mode, *FACTS)
-    assert proc.returncode == 2
-    assert "not available in this build" in proc.stderr and "never falls back" in proc.stderr
+def test_render_ipvs_prints_virtual_servers_ipsets_and_rules() -> None:
+    proc = kproxy("render", "--source", str(EXAMPLES), "--proxy-mode", "ipvs", *FACTS)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "# IPVS virtual servers (ipvsadm -S -n)" in out
+    assert any(line.startswith("-A -t ") and " -s rr" in line for line in out.splitlines())
+    assert any(line.startswith("-a -t ") and line.endswith(" -m -w 1") for line in out.splitlines())
+    assert "create KUBE-CLUSTER-IP hash:ip,port family inet hashsize 1024 maxelem 65536" in out
+    assert "*nat\n:KUBE-SERVICES - [0:0]" in out and "-A KUBE-IPVS-FILTER" in out
 
 
 def test_unknown_config_field_names_the_field(tmp_path: Path) -> None:

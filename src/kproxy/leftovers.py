@@ -68,9 +68,13 @@ def clean_leftovers(
         if flavour == iptables_flavour:
             keep = {"iptables": iptables_mode_chain, "userspace": userspace_chain}.get(mode or "")
         try:
-            removed += iptables_cleanup(
-                IptablesBackend(flavour, netns=netns), dry_run=dry_run, keep=keep
-            )
+            backend = IptablesBackend(flavour, netns=netns)
+            if flavour == iptables_flavour and mode == "ipvs":
+                # ipvs mode shares chain names with iptables mode in other tables (filter
+                # KUBE-SERVICES is iptables mode's only): decide per table and chain.
+                removed += _not_ipvs_chains(backend, dry_run)
+            else:
+                removed += iptables_cleanup(backend, dry_run=dry_run, keep=keep)
         except IptablesError as err:
             log.warning("could not clean iptables-%s leftovers: %s", flavour, err)
     if mode != "userspace":
@@ -80,11 +84,32 @@ def clean_leftovers(
     if mode != "nftables":
         removed += _nft_tables(netns, dry_run)
     if mode != "ipvs":
+        from kproxy.dataplane.ipvs.cleanup import virtual_servers
+
+        # Before kube-ipvs0 and the ipsets go: they say which virtual servers are ours.
+        removed += virtual_servers(netns, dry_run=dry_run)
         removed += _kube_ipvs0(netns, dry_run)
         removed += _ipsets(netns, dry_run)
     for obj in removed:
         log.info("%s leftover %s", "would remove" if dry_run else "removed", obj)
     return removed
+
+
+def _not_ipvs_chains(backend: IptablesBackend, dry_run: bool) -> list[OwnedObject]:
+    """Every kube-proxy chain of this backend except ipvs mode's (by table and name), and the
+    rules elsewhere that jump into them."""
+    from kproxy.dataplane.iptables.cleanup import cleanup_input, owned_state
+    from kproxy.dataplane.ipvs.cleanup import is_ipvs_chain, rule_target
+
+    def ipvs_owned(obj: OwnedObject) -> bool:
+        table = obj.where.rsplit(" ", 1)[1]
+        name = obj.name if obj.kind == "iptables-chain" else rule_target(obj.name)
+        return is_ipvs_chain(table, name)
+
+    found = [o for o in owned_state(backend) if not ipvs_owned(o)]
+    if found and not dry_run:
+        backend.restore(cleanup_input(found))
+    return found
 
 
 def _nft_tables(netns: str | None, dry_run: bool) -> list[OwnedObject]:

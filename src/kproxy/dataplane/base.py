@@ -12,7 +12,7 @@ from typing import Protocol
 from kproxy.model.objects import Snapshot
 
 VALID_MODES = ("iptables", "nftables", "ipvs", "userspace")
-AVAILABLE_MODES = ("iptables", "nftables", "userspace")
+AVAILABLE_MODES = ("iptables", "nftables", "ipvs", "userspace")
 
 
 class DataplaneUnavailable(Exception):

@@ -55,4 +55,13 @@ def create_dataplane(
             state_dir=state_dir,
             port_range=port_range,
         )
+    if mode == "ipvs":
+        from kproxy.dataplane.ipvs.proxier import create_ipvs_dataplane
+
+        return create_ipvs_dataplane(
+            options=options,
+            node_ips=node_ips,
+            iptables_backend_choice=iptables_backend_choice,
+            state_dir=state_dir,
+        )
     raise AssertionError(f"mode {mode!r} is listed as available ({AVAILABLE_MODES}) but not built")
