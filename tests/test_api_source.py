@@ -869,7 +869,77 @@ def test_kubeconfig_token_file_is_read_again_when_rotated(
         (tmp_path / "token").write_text("second\n")  # the kubelet rotated it
         store.token = "second"
         node_obj = src.fetch_node(wait=0.5)
+        # The old token would get 401 until fetch_node gives up (None).
         assert node_obj is not None and node_obj["metadata"]["name"] == "n1"
-        assert store.requests[-1].path == "/api/v1/nodes/n1"
     finally:
         src.stop()
+
+
+def test_expired_continue_token_restarts_the_list(
+    store: KubeApiStore, make_source: Callable[..., ApiSource]
+) -> None:
+    from dataclasses import replace
+
+    for i in range(5):
+        store.apply(svc(f"s{i}", f"10.96.0.{10 + i}"))
+    store.fail("/api/v1/services", 410, times=1, query="continue")
+    src, sink = started(make_source, timing=replace(FAST, page_size=2))
+    assert {e.key for e in sink.batches[0]} == {svc_key(f"s{i}") for i in range(5)} | {NODE_KEY}
+    pages = [r for r in store.recorded("GET", "/api/v1/services") if not r.query.get("watch")]
+    # page 1, page 2 (410: its continue token expired), then a fresh list of 3 pages
+    assert len(pages) == 5
+    assert pages[0].query.get("resourceVersion") == "0" and "continue" in pages[1].query
+    assert "resourceVersion" not in pages[2].query and "continue" not in pages[2].query
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    import subprocess
+
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    argv = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+    argv += ["-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=api"]
+    argv += ["-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(
+        argv,
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def test_in_cluster_service_account_over_tls(
+    store: KubeApiStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = _self_signed(tmp_path)
+    store.token = "sa-token"
+    (tmp_path / "token").write_text("sa-token")
+    with KubeApiServer(store, tls=(cert, key)) as server:
+        # What the kubelet gives every pod: the service's address and the mounted account.
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.port))
+        settings = ClientSettings(token_file=str(tmp_path / "token"), ca_file=str(cert))
+        assert choose_source(None, _config(), None).api == ClientSettings()
+        src = ApiSource("n1", settings, timing=FAST)
+        try:
+            sink = Sink()
+            src.start(sink)
+            assert NODE_KEY in {e.key for e in sink.batches[0]}
+            assert src.connection.host == f"https://127.0.0.1:{server.port}"
+        finally:
+            src.stop()
+        # A CA that did not sign the server's certificate: nothing is trusted.
+        (tmp_path / "other").mkdir()
+        other, _ = _self_signed(tmp_path / "other")
+        bad = ApiSource(
+            "n1", ClientSettings(token_file=settings.token_file, ca_file=str(other)), timing=FAST
+        )
+        t = threading.Thread(target=bad.start, args=(Sink(),))
+        t.start()
+        try:
+            time.sleep(0.5)
+            assert not bad.synced
+            errors = [s["error"] for s in bad.state().values()]  # type: ignore[index]
+            assert all(e and "certificate" in e.lower() for e in errors), errors
+        finally:
+            bad.stop()
+            t.join(5)

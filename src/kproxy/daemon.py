@@ -192,6 +192,8 @@ class Daemon:
             "leftovers_removed": self.leftovers_removed,
             "previous_mode": self.previous_mode,
             "last_switch": self.last_switch,
+            # The API source's per-resource resourceVersion, lists, watches, current error.
+            "source": self.source.state() if hasattr(self.source, "state") else None,
             "rejections": [
                 str(r)
                 for r in (

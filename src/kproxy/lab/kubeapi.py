@@ -24,6 +24,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -173,6 +174,7 @@ class _Fault:
     match: str
     code: int
     times: int
+    query: str = ""  # only requests with this query parameter
 
 
 @dataclass
@@ -324,15 +326,16 @@ class KubeApiStore:
             self._expire += 1
             self._cond.notify_all()
 
-    def fail(self, fragment: str, code: int = 500, times: int = 1) -> None:
-        """Answer the next `times` requests whose path contains `fragment` with `code`."""
+    def fail(self, fragment: str, code: int = 500, times: int = 1, *, query: str = "") -> None:
+        """Answer the next `times` requests whose path contains `fragment` (and that carry
+        the query parameter `query`, if given) with `code`."""
         with self._cond:
-            self._faults.append(_Fault(fragment, code, times))
+            self._faults.append(_Fault(fragment, code, times, query))
 
-    def _fault_for(self, path: str) -> int:
+    def _fault_for(self, path: str, query: dict[str, str]) -> int:
         with self._cond:
             for f in self._faults:
-                if f.match in path and f.times > 0:
+                if f.match in path and f.times > 0 and (not f.query or f.query in query):
                     f.times -= 1
                     return f.code
         return 0
@@ -539,10 +542,18 @@ class _HTTPServer(ThreadingHTTPServer):
 class KubeApiServer:
     """One HTTP front end of a store, on 127.0.0.1 (of `netns`, if given)."""
 
-    def __init__(self, store: KubeApiStore, *, netns: str | None = None, port: int = 0) -> None:
+    def __init__(
+        self,
+        store: KubeApiStore,
+        *,
+        netns: str | None = None,
+        port: int = 0,
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
         self.store = store
         self.netns = netns
         self.port = port
+        self.tls = tls  # (certificate, key): serve HTTPS, as a real API server does
         self._server: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
@@ -552,7 +563,7 @@ class KubeApiServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -564,6 +575,10 @@ class KubeApiServer:
             return self
         sock = _socket_in_netns(self.netns, self.port)
         self.port = sock.getsockname()[1]
+        if self.tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(self.tls[0]), str(self.tls[1]))
+            sock = ctx.wrap_socket(sock, server_side=True)
         server = _HTTPServer(("127.0.0.1", self.port), _Handler, bind_and_activate=False)
         server.socket.close()
         server.socket = sock
@@ -684,7 +699,9 @@ class _Handler(BaseHTTPRequestHandler):
                 time.sleep(store.delay)
             if store.token and self.headers.get("Authorization") != f"Bearer {store.token}":
                 raise ApiStatus(401, "Unauthorized", "Unauthorized")
-            code = store._fault_for(url.path)
+            code = store._fault_for(url.path, query)
+            if code == 410:
+                raise ApiStatus(410, "Expired", "injected: the resource version is too old")
             if code:
                 raise ApiStatus(code, "InternalError" if code >= 500 else "Injected", "injected")
             if url.path in ("/version", "/healthz", "/readyz"):
