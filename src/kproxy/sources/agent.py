@@ -145,7 +145,11 @@ class ClusterAgent:
         self.state, self.target, self.error = "switching", target, ""
         self._event("Normal", "ProxyModeSwitching", f"Switching from {current} to {target} ({why})")
         self._flush()
-        report = self.daemon.switch(target, timeout=self.switch_timeout)
+        try:
+            report = self.daemon.switch(target, timeout=self.switch_timeout)
+        except Exception as err:  # never leave "switching" on the Node for good
+            log.exception("switch to %s raised", target)
+            report = {"ok": False, "from_mode": current, "to_mode": target, "error": str(err)}
         self._seen_switch = self.daemon.last_switch
         self._finished(report)
 
