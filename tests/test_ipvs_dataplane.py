@@ -95,12 +95,29 @@ def test_unchanged_partial_sync_touches_nothing(parts: Any) -> None:
     dp = make(parts)
     s = snap()
     dp.sync(s, full=True)
+    dp.sync(s, full=False)
     whats(ipvs)
     ipset.restores.clear()
     ipt.restores.clear()
     result = dp.sync(s, full=False)
     assert whats(ipvs) == [] and ipset.restores == [] and ipt.restores == []
     assert result.rewritten == 0 and result.rules_written == {"nat": 0, "filter": 0}
+
+
+def test_first_partial_sync_after_a_full_one_rewrites_the_iptables_layer(parts: Any) -> None:
+    """A switch from iptables mode: its cleanup, right after our full sync, deletes the chains
+    both modes name alike (KUBE-SERVICES, KUBE-POSTROUTING, ...) and their jumps."""
+    ipvs, dummy, ipset, ipt = parts
+    dp = make(parts)
+    s = snap()
+    dp.sync(s, full=True)
+    ipt.restores.clear()
+    dp.sync(s, full=False)  # the daemon's sync right after the switch
+    (restore,) = ipt.restores
+    assert ":KUBE-SERVICES - [0:0]" in restore and "-I PREROUTING 1 " in restore
+    ipt.restores.clear()
+    dp.sync(s, full=False)
+    assert ipt.restores == []
 
 
 def test_endpoint_change_sends_only_its_real_servers(parts: Any) -> None:
@@ -326,3 +343,20 @@ def test_prepare_sets_timeouts_only_when_configured(parts: Any, monkeypatch: Any
     assert ipvs.timeouts_set == (900, 0, 0)
     assert seen[1]["net/ipv4/conf/all/arp_ignore"] == 1
     assert seen[1]["net/ipv4/conf/all/arp_announce"] == 2
+
+
+def test_cleanup_beside_iptables_mode_removes_only_ipvs_only_chains(parts: Any) -> None:
+    """After a switch to iptables mode in the same backend: its KUBE-SERVICES, KUBE-FORWARD
+    (names ipvs mode uses too) stay; KUBE-NODE-PORT, KUBE-IPVS-FILTER and their jumps go."""
+    *_, ipt = parts
+    ipt.save_text = IPTABLES_MODE_SAVE
+    dp = make(parts)
+    removed = dp.cleanup()
+    chains = {(o.where.split()[-1], o.name) for o in removed if o.kind == "iptables-chain"}
+    assert chains == {("nat", "KUBE-NODE-PORT"), ("filter", "KUBE-IPVS-FILTER")}
+    rules = [o.name for o in removed if o.kind == "iptables-rule"]
+    assert rules == [
+        '-A INPUT -m comment --comment "kubernetes ipvs access filter" -j KUBE-IPVS-FILTER'
+    ]
+    (restore,) = ipt.restores
+    assert "-X KUBE-SERVICES" not in restore and "-X KUBE-FORWARD" not in restore

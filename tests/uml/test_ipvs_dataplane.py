@@ -338,6 +338,7 @@ def test_partial_sync_sends_only_the_change(box: Node) -> None:
     for i in range(100):
         objects += web(f"svc{i}", f"10.96.1.{i + 1}", pods=POD_IPS[: 1 + i % 3])
     dp.sync(snapshot(*objects), full=True)
+    dp.sync(snapshot(*objects), full=False)  # the one that re-checks the iptables layer
     assert len(box.ipvsadm()) == 100 + sum(1 + i % 3 for i in range(100))
     sent: list[list[str]] = []
     real = dp.ipvs.apply

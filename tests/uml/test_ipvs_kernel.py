@@ -160,19 +160,6 @@ def test_cluster_ip_from_a_pod_keeps_the_pod_source_and_hairpins(
         assert r.peer == (env.lab.node_ip if r.pod == "pod1" else POD_IPS[0]), r
 
 
-def test_udp_cluster_ip(env: Env, web: Callable[..., None]) -> None:
-    web(
-        name="dns",
-        cluster_ip="10.96.0.53",
-        ports=[port("dns", 53, 8080, protocol="UDP")],
-        slice_ports=[port("dns", 8080, protocol="UDP")],
-    )
-    assert "-A -u 10.96.0.53:53 -s rr" in env.ipvsadm()
-    results = env.client().request_many(proto="udp", dst="10.96.0.53", port=53, count=6)
-    assert all(r.ok for r in results), pods_of(results)
-    assert len(pods_of(results)) == 3
-
-
 def test_node_port_from_client_and_node_but_not_localhost(
     env: Env, web: Callable[..., None]
 ) -> None:

@@ -121,6 +121,7 @@ class IpvsDataplane:
         self._graceful: dict[tuple[VSKey, Dest], float] = {}
         self._problems: set[str] = set()
         self._retry_full = False
+        self._recheck_iptables = False
         self.last_plan: IpvsPlan | None = None
         self.last_timings: dict[str, float] = {}
         self.sync_failures = 0
@@ -206,7 +207,11 @@ class IpvsDataplane:
             raise SyncError(f"ipvs sync: {err}", kept_input=err.input_data) from err
         kernel.sets = plan.sets
         timings["ipset"], mark = time.perf_counter() - mark, time.perf_counter()
-        rules_written = self._iptables(plan, full)
+        # The first partial sync after a full one writes the iptables layer again (with the
+        # jump check): a mode switch out of iptables mode runs that mode's cleanup right
+        # after our full sync, and it deletes the chains both modes name alike.
+        rules_written = self._iptables(plan, full or self._recheck_iptables)
+        self._recheck_iptables = full
         timings["iptables"], mark = time.perf_counter() - mark, time.perf_counter()
         self._unbind(plan, kernel)
         failed |= self._apply(stale, plan, kernel)
