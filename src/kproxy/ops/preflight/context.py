@@ -200,10 +200,9 @@ class Context:
 
     @cached_property
     def node_ips(self) -> list[str]:
-        """The Node object's addresses, else what kproxy would detect."""
-        snap = self.snapshot
-        if snap is not None and snap.node.addresses:
-            return list(snap.node.addresses)
+        """The node IPs kproxy uses: its --node-ip (from the running one's command line),
+        else what it detects, as dataplane.nodefacts does (the Node object's addresses are
+        not used for this, there as here)."""
         if self.status and self.status.get("node_ips"):
             return list(self.status["node_ips"])
         from kproxy.dataplane.nodefacts import default_route_interfaces, pick_node_ips

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
 from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.iptables.backend import Runner
@@ -163,10 +164,9 @@ def leftover_objects(ctx: Context) -> list[OwnedObject]:
             keep = {"iptables": iptables_mode_chain, "userspace": userspace_chain}.get(mode)
         backend = IptablesBackend(flavour, netns=netns, runner=_saved(text))
         out += owned_state(backend, keep)
-    if mode != "userspace":
-        out += clean_userspace_leftovers(
-            ctx.state_dir or DEFAULT_STATE_DIR, netns=netns, dry_run=True
-        )
+    state_dir = ctx.state_dir or DEFAULT_STATE_DIR
+    if mode != "userspace" and _userspace_traces(ctx, state_dir):
+        out += clean_userspace_leftovers(state_dir, netns=netns, dry_run=True)
     if mode != "nftables":
         tables = []
         for item in json.loads(snap.get("nftables", {}).get("output") or "{}").get("nftables", []):
@@ -186,6 +186,19 @@ def leftover_objects(ctx: Context) -> list[OwnedObject]:
     if mode != "ipvs":
         out += _kube_ipvs0(netns, True) + _ipsets(netns, True)
     return out
+
+
+def _userspace_traces(ctx: Context, state_dir: Path) -> bool:
+    """Whether userspace mode left anything besides its chains (workers' state in the state
+    dir, its policy rule): only then is its own leftover listing (slower: it re-detects
+    the iptables backend) worth running."""
+    from kproxy.dataplane.userspace.control import SUBDIR
+    from kproxy.dataplane.userspace.render import RULE_PRIORITY
+
+    if (state_dir / SUBDIR).exists():
+        return True
+    rules = ctx.access.run(["ip", "rule", "show", "pref", str(RULE_PRIORITY)])
+    return bool(rules.stdout.strip())
 
 
 def check_leftovers(ctx: Context) -> list[Finding]:

@@ -186,25 +186,43 @@ def daemon_netns(pid: int) -> str | None:
     )
 
 
-def daemon_inputs(pid: int) -> dict[str, Path]:
-    """--config and --source of a running `kproxy run`, from its command line (read only)."""
+def _daemon_args(pid: int) -> tuple[list[str], Path] | None:
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
     except OSError:
-        return {}
-    args = [a.decode(errors="replace") for a in argv if a]
-    out: dict[str, Path] = {}
+        return None
+    return [a.decode(errors="replace") for a in argv if a], cwd
+
+
+def _flag_values(args: list[str], flag: str) -> list[str]:
+    out = []
     for i, arg in enumerate(args):
-        for flag in ("--config", "--source"):
-            value = None
-            if arg == flag and i + 1 < len(args):
-                value = args[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
-            if value:
-                out[flag.lstrip("-")] = cwd / value
+        if arg == flag and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif arg.startswith(flag + "="):
+            out.append(arg.split("=", 1)[1])
     return out
+
+
+def daemon_inputs(pid: int) -> dict[str, Path]:
+    """--config and --source of a running `kproxy run`, from its command line (read only)."""
+    found = _daemon_args(pid)
+    if found is None:
+        return {}
+    args, cwd = found
+    out: dict[str, Path] = {}
+    for flag in ("--config", "--source"):
+        values = _flag_values(args, flag)
+        if values:
+            out[flag.lstrip("-")] = cwd / values[-1]
+    return out
+
+
+def daemon_node_ips(pid: int) -> list[str]:
+    """The --node-ip values of a running `kproxy run` (empty: it detects them)."""
+    found = _daemon_args(pid)
+    return _flag_values(found[0], "--node-ip") if found else []
 
 
 def run_preflight(
@@ -228,8 +246,9 @@ def run_preflight(
     started = time.monotonic()
     acc = access or NodeAccess()
     status = dict(status) if status else None
-    if status and isinstance(status.get("pid"), int) and "uptime" not in status:
-        status["uptime"] = daemon_uptime(status["pid"])
+    if status and isinstance(status.get("pid"), int):
+        status.setdefault("uptime", daemon_uptime(status["pid"]))
+        status.setdefault("node_ips", daemon_node_ips(status["pid"]))
     ctx = Context(
         target=target,
         access=acc,
@@ -275,7 +294,7 @@ def run_preflight(
                     )
                 )
             result.ran.append(check.name)
-    if ctx.objects is None:
+    if source is None and objects is None:
         ctx.notes.append("no --source given: object and consistency checks skipped")
     result.notes = ctx.notes
     result.seconds = time.monotonic() - started

@@ -166,13 +166,13 @@ def _pod_bridges(ctx: Context) -> list[str]:
         if cfg.effective_detect_local_mode == "BridgeInterface"
         else ""
     )
-    nets = [*ctx.cluster_cidrs, *ctx.pod_cidrs]
     out = set()
-    for ifname, addr, _ in ctx.addresses:
-        if ifname in bridges and any(
-            ipaddress.ip_address(addr) in n for n in nets if n.version == 4
-        ):
-            out.add(ifname)
+    on_bridges = [(i, ipaddress.ip_address(a)) for i, a, _ in ctx.addresses if i in bridges]
+    if on_bridges:
+        # The node's podCIDR lies inside clusterCIDR; it is read (from the objects, slow at
+        # scale) only when no clusterCIDR is configured.
+        nets = [n for n in (ctx.cluster_cidrs or ctx.pod_cidrs) if n.version == 4]
+        out |= {ifname for ifname, addr in on_bridges if any(addr in n for n in nets)}
     if named and named in bridges:
         out.add(named)
     return sorted(out)
