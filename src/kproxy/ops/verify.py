@@ -564,7 +564,9 @@ def dataplane_service_count(mode: str, netns: str | None = None) -> tuple[int | 
     if not live:
         return 0, ""
     names = {vs.service for v in live for vs in v.services() if vs.service}
-    return len(names), ""
+    # ipvs mode keeps no service names in the kernel: its reader counts them itself.
+    counted = sum(v.service_count() for v in live if hasattr(v, "service_count"))
+    return len(names) + counted, ""
 
 
 class Collector:

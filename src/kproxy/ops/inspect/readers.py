@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kproxy.ops.inspect import iptables_reader, nftables_reader, userspace
+from kproxy.ops.inspect import iptables_reader, ipvs, nftables_reader, userspace
 from kproxy.ops.inspect.kernel import KernelSource
 from kproxy.ops.inspect.model import ModeView
 
@@ -31,6 +31,7 @@ READERS: list[Reader] = [
     Reader("nftables", "nftables", nftables_reader.load),
     Reader("userspace-nft", "userspace", lambda src: userspace.load("nft", src)),
     Reader("userspace-legacy", "userspace", lambda src: userspace.load("legacy", src)),
+    Reader("ipvs", "ipvs", ipvs.load),
 ]
 
 
