@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from kproxy.defaults import DEFAULT_STATE_DIR
-from kproxy.ops.preflight.cli import UsageError, _check_netns, _fail, resolve_inputs
+from kproxy.ops.preflight.cli import UsageError, check_netns, fail_usage, resolve_inputs
 
 
 def doctor_command(
@@ -67,10 +67,10 @@ def doctor_command(
     try:
         if service is not None and service.count("/") != 1:
             raise UsageError(f"--service {service!r}: give NAMESPACE/NAME, e.g. default/web")
-        _check_netns(netns)
+        check_netns(netns)
         inputs = resolve_inputs(state_dir, config_path, source, netns)
     except UsageError as err:
-        raise _fail(str(err)) from None
+        raise fail_usage(str(err)) from None
     result = run_doctor(
         service,
         access=NodeAccess(netns=inputs.netns),

@@ -25,7 +25,7 @@ class UsageError(Exception):
     """Bad arguments: one line on stderr, exit code 2."""
 
 
-def _fail(message: str) -> typer.Exit:
+def fail_usage(message: str) -> typer.Exit:
     typer.secho(f"kproxy: error: {message}", err=True, fg=typer.colors.RED)
     return typer.Exit(EXIT_USAGE)
 
@@ -55,7 +55,7 @@ def running_status(state_dir: Path) -> dict[str, Any] | None:
     return st if st.get("ok", True) else None
 
 
-def _check_netns(netns: str | None) -> None:
+def check_netns(netns: str | None) -> None:
     if netns is not None and not Path("/run/netns", netns).exists():
         raise UsageError(f"--netns: no network namespace {netns!r} (see `ip netns list`)")
 
@@ -156,10 +156,10 @@ def preflight_command(
         target = check_mode_name(to)
         if current is not None:
             check_mode_name(current)
-        _check_netns(netns)
+        check_netns(netns)
         inputs = resolve_inputs(state_dir, config_path, source, netns)
     except UsageError as err:
-        raise _fail(str(err)) from None
+        raise fail_usage(str(err)) from None
     result = run_preflight(
         target,
         access=NodeAccess(netns=inputs.netns),
