@@ -855,3 +855,67 @@ def test_the_kernel_state_reads_a_section_only_when_a_check_needs_it(fake: FakeN
         "max": 262144,
     }
     assert set(services(doc)) == {"iptables-nft"}
+
+
+# --- the remaining findings, one condition each ------------------------------------------------
+
+
+def test_module_state_that_cannot_be_read_warns(fake: FakeNode) -> None:
+    fake.file("/proc/modules", "")  # modular kernel, no module tree, no config, no modinfo
+    fake.command(["modinfo", "-F", "filename", "ip_vs"], 127, "", "modinfo is not installed")
+    (fake.root / "lib/modules" / RELEASE).mkdir(parents=True)
+    result = run(fake, "ipvs", families=["kernel"])
+    assert "ip_vs" in [f.subject for f in result.findings if f.id == "kernel.module-unknown"]
+
+
+def test_an_nft_that_cannot_read_the_kube_proxy_table_blocks(fake: FakeNode) -> None:
+    fake.modules(builtin=["nf_tables"])
+    fake.command(["nft", "-j", "list", "table", "ip", "kube-proxy"], 1, "", "Error: parse error")
+    result = run(fake, "nftables", families=["kernel"])
+    assert "nft.cannot-list" in ids(result, Severity.BLOCK)
+
+
+def test_missing_iptables_and_ipset_tools_block(fake: FakeNode) -> None:
+    fake.modules(builtin=IPVS_MODS)
+    fake.command(["iptables-nft-restore", "--version"], 127, "", "not installed")
+    fake.command(["ipset", "version"], 127, "", "not installed")
+    result = run(fake, "ipvs", families=["kernel"], current_flavour="nft")
+    assert {"iptables.missing", "ipset.missing"} <= set(ids(result, Severity.BLOCK))
+
+
+def test_conntrack_facts_that_are_only_information(fake: FakeNode) -> None:
+    fake.sysctls({"net/netfilter/nf_conntrack_tcp_timeout_established": 432000})
+    assert "conntrack.tcp-timeout-planned" in ids(run(fake, "iptables", families=["conntrack"]))
+    (fake.root / "proc/sys/net/netfilter/nf_conntrack_count").unlink()
+    result = run(fake, "iptables", families=["conntrack"])
+    assert "conntrack.unreadable" in ids(result, Severity.INFO) and result.exit_code == 0
+
+
+def test_other_configuration_findings(fake: FakeNode, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(HEAD + "iptables: {masqueradeBit: 40}\n")
+    invalid = one(run(fake, "iptables", families=["config"], config_path=bad), "config.invalid")
+    assert "masqueradeBit" in invalid.found and invalid.severity is Severity.BLOCK
+    periods = cfg("nftables: {syncPeriod: 10s}\n")
+    changes = run(fake, "nftables", families=["config"], config=periods, current_mode="iptables")
+    assert "syncPeriod 30s -> 10s" in one(changes, "config.sync-periods-change").found
+    node_cidr = cfg("detectLocalMode: NodeCIDR\n")
+    objs = [o for o in web_objects() if o["kind"] != "Node"]
+    result = run(fake, "iptables", families=["config"], config=node_cidr, objects=objs)
+    assert "config.node-cidr-missing" in ids(result, Severity.WARN)
+
+
+def test_an_invalid_object_other_than_port_zero(fake: FakeNode) -> None:
+    objs = [*web_objects(), service("bad", "10.96.0.99", [port("p", 80)], type="Weird")]
+    f = one(run(fake, "iptables", families=["objects"], objects=objs), "objects.invalid")
+    assert "spec.type" in f.found and f.subject == "default/bad"
+
+
+def test_a_backup_that_cannot_be_kept(fake: FakeNode, tmp_path: Path) -> None:
+    snap = recorded(nft=ipt_save())
+    kept = run(fake, "nftables", families=["backup"], snap=snap, objects=web_objects())
+    assert "backup.not-kept" in ids(kept, Severity.INFO)  # no state dir, no --backup
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    failed = run(fake, "nftables", families=["backup"], snap=snap, backup_path=blocked / "x.json")
+    assert "backup.write-failed" in ids(failed, Severity.BLOCK) and failed.exit_code == 1
