@@ -463,8 +463,10 @@ def conntrack_layer(s: ServiceView) -> list[Finding]:
                     "conntrack",
                     "conntrack.old-endpoints",
                     Severity.INFO,
-                    f"{proto} connections to {vip}:{sp.port} ({sp.name}) still run to former "
-                    f"endpoints {', '.join(stale)}; they end with the connections",
+                    f"{proto} connections to {vip}:{sp.port} ({sp.name}) still run to "
+                    f"{', '.join(stale)}, which are no endpoints of it now (former endpoints, "
+                    "or another mode's translation, e.g. userspace's redirect to the node); "
+                    "they end with the connections",
                     service=s.name,
                     stale=stale,
                 )
