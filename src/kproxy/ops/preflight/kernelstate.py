@@ -1,25 +1,20 @@
 """The node's dataplane as ops.snapshot.take() records it, read section by section on demand.
 
-Same document shape and commands as take(), with one difference that matters at scale:
-the nftables section lists only kube-proxy's own tables (`nft -j list table ip
-kube-proxy`), not the whole ruleset. On an iptables-nft node the ruleset holds every
-iptables rule too: at 10,000 services `nft -j list ruleset` took 54 s here and even
-`nft list tables` 28 s (nft fetches its whole cache), while the table listing takes 0.4 s.
-A check that needs nothing of a section never runs its command.
+Same document shape and commands as take() (the nftables section, kube-proxy's own
+tables, comes from the same function); a check that needs nothing of a section never
+runs its command. At 10,000 services on an iptables-nft node reading a section it does
+not need costs seconds.
 """
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from kproxy.ops.preflight.access import NodeAccess
-from kproxy.ops.snapshot import FORMAT
-
-NFT_TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"))
+from kproxy.ops.snapshot import FORMAT, nftables_section
 
 _COMMANDS: dict[str, list[str]] = {
     "iptables-nft": ["iptables-nft-save"],
@@ -53,23 +48,11 @@ class KernelState(Mapping[str, Any]):
         }
 
     def _nftables(self) -> dict[str, Any]:
-        items: list[Any] = []
-        errors = []
-        for family, name in NFT_TABLES:
-            proc = self.access.run(["nft", "-j", "list", "table", family, name])
-            if proc.returncode == 0:
-                try:
-                    items += json.loads(proc.stdout or "{}").get("nftables", [])
-                except ValueError as err:
-                    errors.append(f"{family} {name}: {err}")
-            elif "No such file or directory" not in proc.stderr:
-                errors.append(f"{family} {name}: {proc.stderr.strip()}")
-        return {
-            "command": "nft -j list table ip kube-proxy; nft -j list table ip6 kube-proxy",
-            "ok": not errors,
-            "output": json.dumps({"nftables": items}),
-            "error": "; ".join(errors),
-        }
+        def run(argv: list[str]) -> tuple[int, str, str]:
+            proc = self.access.run(argv)
+            return proc.returncode, proc.stdout or "", proc.stderr or ""
+
+        return nftables_section(run)
 
     def __getitem__(self, key: str) -> Any:
         if key in self._meta:
