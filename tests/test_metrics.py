@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -192,3 +194,28 @@ def test_servers_over_http() -> None:
     finally:
         ms.stop()
         hs.stop()
+
+
+def test_conntrack_and_ipvs_object_gauges(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kproxy.server import metrics as metrics_module
+
+    count, limit = tmp_path / "count", tmp_path / "max"
+    count.write_text("1234\n")
+    limit.write_text("262144\n")
+    monkeypatch.setattr(metrics_module, "CONNTRACK_COUNT", str(count))
+    monkeypatch.setattr(metrics_module, "CONNTRACK_MAX", str(limit))
+    m = ProxyMetrics("ipvs")
+    m.synced(
+        snapshot_from_objects([], "node1"),
+        SyncResult(full=True, objects={"ipvs_virtual_servers": 7, "ipvs_real_servers": 21}),
+        0.01,
+        ChangeCounts(0, 0),
+    )
+    values = {s.name: s.value for fam in families(m).values() for s in fam.samples}
+    assert values["kproxy_conntrack_entries"] == 1234
+    assert values["kproxy_conntrack_max"] == 262144
+    assert values["kproxy_ipvs_virtual_servers"] == 7
+    assert values["kproxy_ipvs_real_servers"] == 21
+    count.unlink()  # conntrack not loaded: NaN, not a crash
+    values = {s.name: s.value for fam in families(m).values() for s in fam.samples}
+    assert values["kproxy_conntrack_entries"] != values["kproxy_conntrack_entries"]

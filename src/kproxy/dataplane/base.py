@@ -37,6 +37,9 @@ class SyncResult:
     rules_written: dict[str, int] = field(default_factory=dict)
     rules_total: dict[str, int] = field(default_factory=dict)
     pieces: int = 1
+    # Other kernel objects the mode programs, by kind (ipvs: "ipvs_virtual_servers",
+    # "ipvs_real_servers"), for the metrics.
+    objects: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

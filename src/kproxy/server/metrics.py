@@ -16,6 +16,19 @@ from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import ChangeCounts
 
 IP_FAMILY = "IPv4"
+CONNTRACK_COUNT = "/proc/sys/net/netfilter/nf_conntrack_count"
+CONNTRACK_MAX = "/proc/sys/net/netfilter/nf_conntrack_max"
+
+
+def _proc_int(path: str) -> float:
+    """A /proc number, or NaN when the kernel has no such file (conntrack not loaded)."""
+    try:
+        with open(path) as f:
+            return float(int(f.read().strip()))
+    except (OSError, ValueError):
+        return float("nan")
+
+
 SYNC_BUCKETS = tuple(0.001 * 2**k for k in range(15))  # 1 ms .. 16.384 s
 PROGRAMMING_BUCKETS = (
     0.25,
@@ -168,6 +181,25 @@ class ProxyMetrics:
             buckets=SYNC_BUCKETS,
             registry=r,
         )
+        # Read at scrape time from this network namespace (count is per namespace).
+        self.conntrack_entries = Gauge(
+            "kproxy_conntrack_entries", "Connection tracking entries now", registry=r
+        )
+        self.conntrack_entries.set_function(lambda: _proc_int(CONNTRACK_COUNT))
+        self.conntrack_max = Gauge(
+            "kproxy_conntrack_max", "nf_conntrack_max (the table's limit)", registry=r
+        )
+        self.conntrack_max.set_function(lambda: _proc_int(CONNTRACK_MAX))
+        self.ipvs_virtual_servers = Gauge(
+            "kproxy_ipvs_virtual_servers",
+            "IPVS virtual servers programmed by the last sync (ipvs mode)",
+            registry=r,
+        )
+        self.ipvs_real_servers = Gauge(
+            "kproxy_ipvs_real_servers",
+            "IPVS real servers programmed by the last sync (ipvs mode)",
+            registry=r,
+        )
         self.current_mode.labels(mode=mode).set(1)
         # Children exist from the start, so a fresh kproxy already exposes every series
         # (dashboards and absent() alerts see zeros, not gaps).
@@ -223,6 +255,8 @@ class ProxyMetrics:
             self.rules_total.labels(table=table, ip_family=fam).set(n)
         for table, n in result.rules_written.items():
             self.rules_last.labels(table=table, ip_family=fam).set(n)
+        self.ipvs_virtual_servers.set(result.objects.get("ipvs_virtual_servers", 0))
+        self.ipvs_real_servers.set(result.objects.get("ipvs_real_servers", 0))
         internal = external = 0
         for sp in snapshot.services.values():
             if sp.any_endpoints and sp.internal_policy_local and not sp.local_endpoints:
