@@ -220,6 +220,7 @@ class Daemon:
         self.admin.stop()
         self.source.stop()
         self.loop.stop()
+        self.switcher.stop_reaping()  # a retired ipvs mode's draining virtual servers
         for server in self.servers:
             server.stop()
         self.service_health.stop()

@@ -22,15 +22,23 @@ import json
 import logging
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol as Interface
 
 from kproxy.conntrack import delete_unreplied_syn_to
 from kproxy.dataplane.anchor import ConntrackAnchor
-from kproxy.dataplane.base import VALID_MODES, Dataplane, DataplaneUnavailable, SyncError
+from kproxy.dataplane.base import (
+    VALID_MODES,
+    Dataplane,
+    DataplaneUnavailable,
+    OwnedObject,
+    SyncError,
+)
 from kproxy.model.objects import Protocol, Snapshot
 from kproxy.ops.snapshot import ServiceKey, plane_services, take
 
@@ -60,6 +68,15 @@ class SwitchReport:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+class Draining(Interface):
+    """What a retired mode keeps until it is idle (ipvs/drain.Draining)."""
+
+    @property
+    def done(self) -> bool: ...
+    def summary(self) -> str: ...
+    def run(self, stop: threading.Event) -> None: ...
 
 
 class SwitchFailed(Exception):
@@ -124,12 +141,18 @@ class ModeSwitcher:
         self.prober = prober
         self.snapshotter = snapshotter
         self.plane_reader = plane_reader
+        self._reapers: list[threading.Thread] = []
+        self._stop_reaping = threading.Event()
 
     def switch(
         self, old: Dataplane, snapshot: Snapshot, to: str, *, timeout: float
     ) -> tuple[SwitchReport, Dataplane]:
         """Returns the report and the dataplane now in use (the new one only on success)."""
         report = SwitchReport(from_mode=old.mode, to_mode=to)
+        if to == "ipvs":
+            # The new ipvs mode adopts the virtual servers still draining: nobody else may
+            # delete them now.
+            self.stop_reaping()
         started = time.monotonic()
         deadline = started + timeout
         new: Dataplane | None = None
@@ -246,10 +269,38 @@ class ModeSwitcher:
         return f"{old.mode} out of the packet path"
 
     def _remove(self, old: Dataplane, report: SwitchReport) -> str:
-        removed = old.cleanup()
+        # ipvs mode translates its connections itself: deleting its busy virtual servers
+        # would reset them, so it retires (keeps those until they drain) instead.
+        retire: Callable[[], tuple[list[OwnedObject], Draining]] | None = getattr(
+            old, "retire", None
+        )
+        if retire is None:
+            removed, draining = old.cleanup(), None
+        else:
+            removed, draining = retire()
         _release(old)
         report.removed = [str(o) for o in removed]
-        return f"{len(removed)} objects of {old.mode} removed"
+        detail = f"{len(removed)} objects of {old.mode} removed"
+        if draining is not None and not draining.done:
+            self._reap(draining)
+            detail += f"; {draining.summary()}"
+        return detail
+
+    def _reap(self, draining: Draining) -> None:
+        """Reap a retired mode's draining state in a daemon thread of this process."""
+        thread = threading.Thread(
+            target=draining.run, args=(self._stop_reaping,), name="drain-reaper", daemon=True
+        )
+        self._reapers = [t for t in self._reapers if t.is_alive()] + [thread]
+        thread.start()
+
+    def stop_reaping(self, timeout: float = 5.0) -> None:
+        """Stop reaping (what is left stays until a restart removes it as a leftover)."""
+        self._stop_reaping.set()
+        for t in self._reapers:
+            t.join(timeout)
+        self._reapers = []
+        self._stop_reaping = threading.Event()
 
     def _roll_back(self, new: Dataplane | None, snapshot: Snapshot, report: SwitchReport) -> None:
         if new is not None:

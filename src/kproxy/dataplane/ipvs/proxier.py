@@ -53,6 +53,7 @@ from kproxy.dataplane.iptables.backend import (
     run_command,
 )
 from kproxy.dataplane.ipvs import cleanup as ipvs_cleanup
+from kproxy.dataplane.ipvs import drain as ipvs_drain
 from kproxy.dataplane.ipvs import names as n
 from kproxy.dataplane.ipvs import netlink as nl
 from kproxy.dataplane.ipvs.dummy import DummyDevice
@@ -595,6 +596,67 @@ class IpvsDataplane:
             self._applied_iptables = None
             self._graceful = {}
         return found
+
+    def retire(self) -> tuple[list[OwnedObject], ipvs_drain.Draining]:
+        """cleanup() for a live switch away from ipvs mode (kproxy.switch): everything goes
+        except the TCP virtual servers that still carry connections and their kube-ipvs0
+        addresses (and the link), which the returned Draining reaps once they are idle
+        (see ipvs/drain.py). Returns what was removed and what is draining."""
+        clients = ipvs_cleanup.Clients(self.ipvs, self.dummy, self.ipset)
+        owned = ipvs_cleanup.virtual_servers(
+            self.netns,
+            dry_run=True,
+            exclude_cidrs=self.options.ipvs_exclude_cidrs,
+            known=self._applied_vs,
+            clients=clients,
+        )
+        by_name = {str(s.key): s.key for s in self.ipvs.services()}
+        keys = [by_name[o.name] for o in owned if o.name in by_name]
+        try:
+            dests: dict[VSKey, list[KernelDest]] | None = self.ipvs.all_dests()
+        except OSError as err:
+            log.warning("cannot read IPVS connection counts (%s): keeping every TCP one", err)
+            dests = None
+        draining = ipvs_drain.Draining(self.netns)
+        draining.servers = ipvs_drain.busy(keys, dests, draining.conns or dict)
+        idle = [k for k in keys if k not in draining.servers]
+        for req, code in self.ipvs.delete_services(idle):
+            if code not in (errno.ENOENT, errno.ESRCH):
+                log.warning("%s failed: %s", req.what, os.strerror(code))
+        removed = [o for o in owned if by_name.get(o.name) not in draining.servers]
+        chains = ipvs_cleanup.ipvs_iptables_objects(self.backend)
+        if chains:
+            ipvs_cleanup.remove_iptables(self.backend, chains)
+        removed += chains
+        if draining.servers:
+            removed += self._unbind_all_but(draining)
+        else:
+            removed += ipvs_cleanup.remove_dummy(self.netns, dummy=self.dummy)
+        removed += ipvs_cleanup.remove_ipsets(self.netns, ipset=self.ipset)
+        self._kernel = None
+        self._applied_vs = {}
+        self._applied_iptables = None
+        self._graceful = {}
+        return removed, draining
+
+    def _unbind_all_but(self, draining: ipvs_drain.Draining) -> list[OwnedObject]:
+        """Unbind every kube-ipvs0 address but the draining virtual servers' (kept in
+        draining.addresses)."""
+        found = self.dummy.lookup()
+        if found is None or found[1] != "dummy":
+            return []
+        index = found[0]
+        bound = self.dummy.addresses(index).dummy
+        draining.addresses = {k.address for k in draining.servers} & set(bound)
+        extra = sorted(bound - draining.addresses)
+        failed = dict(self.dummy.unbind(index, extra))
+        for ip, code in failed.items():
+            log.warning("could not unbind %s from %s: %s", ip, n.DUMMY_DEVICE, os.strerror(code))
+        return [
+            OwnedObject("address", n.DUMMY_DEVICE, ip, "a service address of ipvs mode")
+            for ip in extra
+            if ip not in failed
+        ]
 
 
 # --- mirror updates ---------------------------------------------------------------------------
