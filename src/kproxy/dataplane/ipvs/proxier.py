@@ -237,6 +237,12 @@ class IpvsDataplane:
             rules_written=rules_written,
             rules_total=plan.rules_total,
             pieces=1,
+            objects={
+                "ipvs_virtual_servers": len(plan.virtual_servers),
+                "ipvs_real_servers": sum(
+                    len(vs.destinations) for vs in plan.virtual_servers.values()
+                ),
+            },
         )
 
     def _fail(self) -> None:
