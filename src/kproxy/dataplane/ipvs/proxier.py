@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kproxy.conntrack import Conntrack, ConntrackError, DeleteFilter
 from kproxy.dataplane.base import DataplaneUnavailable, OwnedObject, SyncError, SyncResult
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import (
@@ -626,6 +627,7 @@ class IpvsDataplane:
         draining = ipvs_drain.Draining(self.netns)
         draining.servers = ipvs_drain.busy(keys, dests, draining.conns or dict)
         idle = [k for k in keys if k not in draining.servers]
+        self._forget_datagram_flows(k for k in idle if k.protocol != "TCP")
         for req, code in self.ipvs.delete_services(idle):
             if code not in (errno.ENOENT, errno.ESRCH):
                 log.warning("%s failed: %s", req.what, os.strerror(code))
@@ -644,6 +646,25 @@ class IpvsDataplane:
         self._applied_iptables = None
         self._graceful = {}
         return removed, draining
+
+    def _forget_datagram_flows(self, keys: Iterable[VSKey]) -> None:
+        """Delete the conntrack entries of UDP/SCTP flows to virtual servers about to go.
+
+        A UDP client keeps its 5-tuple, so its flow stays one conntrack entry that IPVS set
+        up; deleting the virtual server first would drop the flow's next datagram (IPVS
+        expires its entry on that packet). With the entry gone first, the next datagram is
+        NEW and the new mode's DNAT (nat PREROUTING, before IPVS) takes it."""
+        filters = [
+            DeleteFilter(k.protocol.lower(), orig_dst=k.address, orig_dport=k.port) for k in keys
+        ]
+        if not filters:
+            return
+        try:
+            deleted = Conntrack(self.netns).delete_many(filters)
+        except (ConntrackError, OSError) as err:
+            log.warning("cannot clear the conntrack entries of UDP/SCTP flows: %s", err)
+            return
+        log.info("cleared %d conntrack entries of UDP/SCTP flows through ipvs", deleted)
 
     def _unbind_all_but(self, draining: ipvs_drain.Draining) -> list[OwnedObject]:
         """Unbind every kube-ipvs0 address but the draining virtual servers' (kept in
