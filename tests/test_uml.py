@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 INNER_DIR = os.environ.get("KPROXY_UML_INNER_DIR", "tests/uml")
 REPORT_ENV = "KPROXY_UML_REPORT"
 # The whole inner suite, boot to poweroff. Override for slow machines.
-TIMEOUT = float(os.environ.get("KPROXY_UML_TIMEOUT", "540"))
+TIMEOUT = float(os.environ.get("KPROXY_UML_TIMEOUT", "900"))
 COLLECT_TIMEOUT = 120.0
 UML_OK, UML_SKIP_REASON = uml_supported()
 NOT_COLLECTED = "<not collected>"
