@@ -314,3 +314,33 @@ def test_kill_9_keeps_traffic_and_restart_fails_no_request(
     during = client.request_many(proto="tcp", dst="10.96.0.10", port=80, count=6)
     assert all(r.ok for r in during), pods_of(during)
     assert env.ipvsadm() == before
+
+
+FETCH = (
+    "import sys, urllib.request as u; r = u.urlopen(sys.argv[1], timeout=5); "
+    "print(r.status); print(r.read().decode())"
+)
+
+
+def test_metrics_and_health_in_ipvs_mode(env: Env, web: Callable[..., None]) -> None:
+    import sys
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    web()
+
+    def fetch(url: str) -> tuple[int, str]:
+        out = env.lab.exec(env.lab.node_ns, [sys.executable, "-c", FETCH, url]).stdout
+        code, _, body = out.partition("\n")
+        return int(code), body
+
+    code, body = fetch("http://127.0.0.1:10249/metrics")
+    assert code == 200
+    samples = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+    assert samples["kubeproxy_sync_proxy_rules_duration_seconds_count"] >= 1
+    assert samples["kproxy_ipvs_virtual_servers"] >= 1
+    assert samples["kproxy_ipvs_real_servers"] >= 3
+    assert samples["kproxy_conntrack_max"] > 0
+    assert fetch("http://127.0.0.1:10249/proxyMode") == (200, "ipvs\n")
+    code, body = fetch(f"http://{env.lab.node_ip}:10256/healthz")
+    assert code == 200 and '"healthy": true' in body

@@ -9,8 +9,8 @@ already had. IpvsDataplane.retire() keeps the TCP virtual servers with live conn
 their kube-ipvs0 addresses (IPVS needs the VIP to be local); a Draining then deletes each
 one once its connections are gone, or after CAP seconds, and kube-ipvs0 when none is left.
 
-"Live" is any connection not in TIME_WAIT or CLOSE: those are already closed, and IPVS
-keeps them for up to two minutes (counted in InActConn). Only ActiveConn=0 with
+"Live" is any connection not closed or half closed (CLOSED_STATES): IPVS keeps those for
+up to two minutes (counted in InActConn). Only ActiveConn=0 with
 InActConn>0 costs a read of /proc/net/ip_vs_conn. UDP and SCTP virtual servers go at once,
 as in graceful termination (names.GRACEFUL_PROTOCOLS): IPVS keeps an idle UDP entry for
 its whole timeout, so they would never look drained.
@@ -43,7 +43,11 @@ log = logging.getLogger("kproxy.ipvs.drain")
 CAP = 15 * 60.0  # seconds a kept virtual server may drain before it is deleted anyway
 INTERVAL = 2.0
 PROC_IP_VS_CONN = "/proc/net/ip_vs_conn"
-CLOSED_STATES = frozenset({"TIME_WAIT", "CLOSE"})
+# States of connections that are closed or closing. Half-closed ones (FIN_WAIT, CLOSE_WAIT,
+# LAST_ACK) count as closing: IPVS keeps them up to 2 minutes after a client's last request
+# (seen in the UML switch test), and waiting for them would hold the old mode that long; the
+# price is a reset for a transfer still running in one direction after the other closed.
+CLOSED_STATES = frozenset({"TIME_WAIT", "CLOSE", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK"})
 
 ConnReader = Callable[[], Mapping[VSKey, int]]
 
