@@ -27,6 +27,8 @@ TCP 0A640003 D2F6 0A60000A 0050 0AF40003 1F90 TIME_WAIT       119
 TCP 0A640003 D2F8 0A600014 01BB 0AF40003 1F90 TIME_WAIT       110
 TCP 0A640003 D2FA 0A600014 01BB 0AF40003 1F90 CLOSE             9
 TCP 0A640003 D2FC 0A600014 01BB 0AF40004 1F90 CLOSE_WAIT       50
+TCP 0A640003 D2FE 0A600014 01BB 0AF40004 1F90 SYN_SENT        100
+TCP 0A640003 D300 0A600014 01BB 0AF40002 1F90 SYN_RECV         50
 UDP 0A640003 A000 0A60000A 0035 0AF40002 1F90 UDP             290
 """
 
@@ -87,8 +89,9 @@ class Clock:
 
 
 def test_conn_table_counts_live_connections_per_virtual_server() -> None:
-    # ESTABLISHED counts; TIME_WAIT, CLOSE and the half-closed CLOSE_WAIT do not
-    assert parse_conn_table(CONN_TABLE) == {WEB: 1, DNS: 1}
+    # ESTABLISHED and SYN_RECV (a handshake IPVS forwards) count; TIME_WAIT, CLOSE, the
+    # half-closed CLOSE_WAIT and SYN_SENT (a reused port's replies only) do not
+    assert parse_conn_table(CONN_TABLE) == {WEB: 1, API: 1, DNS: 1}
 
 
 def test_busy_keeps_tcp_with_live_connections_only() -> None:
@@ -98,17 +101,22 @@ def test_busy_keeps_tcp_with_live_connections_only() -> None:
         VSKey("TCP", "10.96.0.30", 80): [dest()],
         DNS: [dest(inactive=5)],  # UDP goes at once
     }
-    conns = {API: 0}
-    assert busy(dests, dests, lambda: conns) == {WEB: 3}
-    conns = {API: 2}  # two live (e.g. ESTABLISHED) in the connection table
-    assert busy(dests, dests, lambda: conns) == {WEB: 3, API: 2}
+    conns = {WEB: 1, API: 0}
+    assert busy(dests, dests, lambda: conns) == {WEB: 1}
+    conns = {WEB: 1, API: 2}  # two live (e.g. ESTABLISHED) in the connection table
+    assert busy(dests, dests, lambda: conns) == {WEB: 1, API: 2}
+
+
+def test_active_count_alone_does_not_keep_a_virtual_server() -> None:
+    # IPVS counts SYN_SENT as active; the connection table (where SYN_SENT is not live) decides
+    assert busy([WEB], {WEB: [dest(active=4)]}, lambda: {}) == {}
 
 
 def test_busy_reads_the_connection_table_only_when_needed() -> None:
     def fail() -> dict[VSKey, int]:
         raise AssertionError("read the connection table")
 
-    assert busy([WEB], {WEB: [dest(active=1)]}, fail) == {WEB: 1}
+    assert busy([WEB, DNS], {WEB: [dest()], DNS: [dest(inactive=2)]}, fail) == {}
 
 
 def test_unknown_counts_keep_the_virtual_server() -> None:
@@ -122,14 +130,17 @@ def test_unknown_counts_keep_the_virtual_server() -> None:
 def test_reaps_each_virtual_server_when_idle_then_the_link() -> None:
     ipvs = FakeIpvs({WEB: [dest(active=1)], API: [dest(active=1)], OTHER: [dest(active=1)]})
     dummy = FakeDummy({"10.96.0.10", "10.96.0.20"})
-    d = Draining(None, {WEB: 1, API: 1}, {"10.96.0.10", "10.96.0.20"}, conns=dict)
+    live = {WEB: 1, API: 1, OTHER: 1}  # the connection table
+    d = Draining(None, {WEB: 1, API: 1}, {"10.96.0.10", "10.96.0.20"}, conns=lambda: live)
     assert not d.poll(ipvs, dummy)
     assert ipvs.deleted == [] and dummy.exists
     ipvs.dests[API] = [dest()]
+    del live[API]
     assert not d.poll(ipvs, dummy)
     assert ipvs.deleted == [API]
     assert dummy.bound == {"10.96.0.10"} and dummy.exists
-    ipvs.dests[WEB] = [dest(inactive=1)]  # TIME_WAIT only (conns reads no live one)
+    ipvs.dests[WEB] = [dest(inactive=1)]  # TIME_WAIT only: the table shows no live one
+    del live[WEB]
     assert d.poll(ipvs, dummy)
     assert ipvs.deleted == [API, WEB]
     assert OTHER in ipvs.dests  # never kept, never touched
@@ -140,7 +151,7 @@ def test_cap_deletes_what_is_left() -> None:
     clock = Clock()
     ipvs = FakeIpvs({WEB: [dest(active=1)]})
     dummy = FakeDummy({"10.96.0.10"})
-    d = Draining(None, {WEB: 1}, {"10.96.0.10"}, cap=60, clock=clock, conns=dict)
+    d = Draining(None, {WEB: 1}, {"10.96.0.10"}, cap=60, clock=clock, conns=lambda: {WEB: 1})
     clock.now += 59
     assert not d.poll(ipvs, dummy)
     clock.now += 1

@@ -311,6 +311,11 @@ mountpoint -q /dev || mount -t devtmpfs devtmpfs /dev
 mkdir -p /dev/shm /dev/pts /run/lock /run/netns
 mount -t tmpfs -o mode=1777 tmpfs /dev/shm
 mount -t devpts -o ptmxmode=0666 devpts /dev/pts
+# devtmpfs lacks the links udev makes; `conntrack -R -` opens /dev/stdin.
+[ -e /dev/fd ] || ln -s /proc/self/fd /dev/fd
+[ -e /dev/stdin ] || ln -s /proc/self/fd/0 /dev/stdin
+[ -e /dev/stdout ] || ln -s /proc/self/fd/1 /dev/stdout
+[ -e /dev/stderr ] || ln -s /proc/self/fd/2 /dev/stderr
 # The package ships its modules under /usr/lib/uml/modules; if /lib/modules lacks them,
 # point modprobe there: MODPROBE_OPTIONS for commands, kernel.modprobe for the kernel's
 # own requests (ipvsadm, iptables extensions).

@@ -10,8 +10,11 @@ their kube-ipvs0 addresses (IPVS needs the VIP to be local); a Draining then del
 one once its connections are gone, or after CAP seconds, and kube-ipvs0 when none is left.
 
 "Live" is any connection not closed or half closed (CLOSED_STATES): IPVS keeps those for
-up to two minutes (counted in InActConn). Only ActiveConn=0 with
-InActConn>0 costs a read of /proc/net/ip_vs_conn. UDP and SCTP virtual servers go at once,
+up to two minutes (counted in InActConn). ActiveConn cannot decide alone: IPVS counts the
+pre-established states, SYN_SENT among them, as active (seen in the UML kernel), and after a switch that state marks flows that are not
+IPVS's (see CLOSED_STATES). So a virtual server with any connection costs a read of
+/proc/net/ip_vs_conn (once at the switch, then once per poll while something drains); one
+with none is idle without it. UDP and SCTP virtual servers go at once,
 as in graceful termination (names.GRACEFUL_PROTOCOLS): IPVS keeps an idle UDP entry for
 its whole timeout, so they would never look drained.
 
@@ -47,7 +50,14 @@ PROC_IP_VS_CONN = "/proc/net/ip_vs_conn"
 # LAST_ACK) count as closing: IPVS keeps them up to 2 minutes after a client's last request
 # (seen in the UML switch test), and waiting for them would hold the old mode that long; the
 # price is a reset for a transfer still running in one direction after the other closed.
-CLOSED_STATES = frozenset({"TIME_WAIT", "CLOSE", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK"})
+# SYN_SENT counts too: in NAT mode IPVS enters it only from the real server's side (its
+# SYN-ACK). After the switch that is a new flow the new mode DNATs, whose client reused the
+# port of one of IPVS's TIME_WAIT entries: IPVS sees its replies in FORWARD only and holds
+# the entry in SYN_SENT for 2 minutes (seen in the UML switch test), though it carries
+# nothing of IPVS's.
+CLOSED_STATES = frozenset(
+    {"TIME_WAIT", "CLOSE", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK", "SYN_SENT"}
+)
 
 ConnReader = Callable[[], Mapping[VSKey, int]]
 
@@ -109,11 +119,7 @@ def busy(
         if dests is None:
             out[key] = -1
             continue
-        ds = dests.get(key, [])
-        active = sum(d.active for d in ds)
-        if active > 0:
-            out[key] = active + sum(d.inactive for d in ds)
-        elif any(d.inactive > 0 for d in ds):
+        if any(d.active > 0 or d.inactive > 0 for d in dests.get(key, [])):
             unsure.append(key)
     if unsure:
         try:
