@@ -11,12 +11,12 @@ one once its connections are gone, or after CAP seconds, and kube-ipvs0 when non
 
 "Live" is any connection not closed or half closed (CLOSED_STATES): IPVS keeps those for
 up to two minutes (counted in InActConn). ActiveConn cannot decide alone: IPVS counts the
-pre-established states, SYN_SENT among them, as active (seen in the UML kernel), and after a switch that state marks flows that are not
-IPVS's (see CLOSED_STATES). So a virtual server with any connection costs a read of
-/proc/net/ip_vs_conn (once at the switch, then once per poll while something drains); one
-with none is idle without it. UDP and SCTP virtual servers go at once,
-as in graceful termination (names.GRACEFUL_PROTOCOLS): IPVS keeps an idle UDP entry for
-its whole timeout, so they would never look drained.
+pre-established states, SYN_SENT among them, as active (seen in the UML kernel), and after
+a switch SYN_SENT marks flows that are not IPVS's (see CLOSED_STATES). So a virtual server
+with any connection costs a read of /proc/net/ip_vs_conn (once at the switch, then once per
+poll while something drains); one with none is idle without it. UDP and SCTP virtual
+servers go at once, as in graceful termination (names.GRACEFUL_PROTOCOLS): IPVS keeps an
+idle UDP entry for its whole timeout, so they would never look drained.
 
 The reaping lives in the daemon process only: a restart (in any mode but ipvs) removes
 ipvs leftovers at startup (leftovers.clean_leftovers), killing what is still draining; that
