@@ -42,8 +42,12 @@ class Meter:
         self._own = _own_s()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.wall = time.monotonic() - self._t
         foreign = (_machine_busy_s() - self._busy) - (_own_s() - self._own)
         self.foreign_cores = max(0.0, foreign) / self.wall if self.wall > 0 else 0.0

@@ -36,4 +36,4 @@ class MarkMasqFirstDataplane(IptablesDataplane):
             return pieces
         mark = self.options.masquerade_mark
         head = f"*nat\n:KUBE-MARK-MASQ - [0:0]\n-A KUBE-MARK-MASQ -j MARK --or-mark {mark}\n"
-        return [head + pieces[0][len("*nat\n"):], *pieces[1:]]
+        return [head + pieces[0][len("*nat\n") :], *pieces[1:]]

@@ -45,8 +45,9 @@ def loadavg() -> str:
 def commit() -> str:
     """The kproxy tree measured: HEAD, plus a note when src/ has uncommitted changes."""
     head = _first_line(["git", "rev-parse", "--short", "HEAD"])
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], capture_output=True,
-                           text=True, check=False).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "src"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     return head + (" + uncommitted changes in src/" if dirty else "")
 
 

@@ -47,8 +47,7 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _fake_runner(argv: Sequence[str], input_data: str | None
-                 ) -> subprocess.CompletedProcess[str]:
+def _fake_runner(argv: Sequence[str], input_data: str | None) -> subprocess.CompletedProcess[str]:
     out = "iptables v1.8.9 (nf_tables)\n" if "--version" in argv else ""
     return subprocess.CompletedProcess(list(argv), 0, out, "")
 
@@ -113,14 +112,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     top: list[dict[str, Any]] = []
     if args.trace:
         snap = tracemalloc.take_snapshot().filter_traces(
-            [tracemalloc.Filter(False, tracemalloc.__file__)])
+            [tracemalloc.Filter(False, tracemalloc.__file__)]
+        )
         for stat in snap.statistics("lineno")[:12]:
             frame = stat.traceback[0]
-            top.append({"site": f"{_short(frame.filename)}:{frame.lineno}",
-                        "mb": stat.size / 2**20, "count": stat.count})
+            top.append(
+                {
+                    "site": f"{_short(frame.filename)}:{frame.lineno}",
+                    "mb": stat.size / 2**20,
+                    "count": stat.count,
+                }
+            )
     keep = (source, tracker, snapshot, dp)  # alive until here on purpose
-    print(json.dumps({"stages": stages, "top_sites": top, "hwm_mb": _hwm_mb(),
-                      "alive": len(keep)}))
+    print(json.dumps({"stages": stages, "top_sites": top, "hwm_mb": _hwm_mb(), "alive": len(keep)}))
 
 
 def _short(filename: str) -> str:

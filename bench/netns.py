@@ -82,8 +82,9 @@ def _cpu_times() -> tuple[int, int]:
     return sum(fields), idle
 
 
-def wait_quiet(*, busy_below: float = 0.08, window: float = 0.5, max_wait: float = 20.0,
-               min_wait: float = 0.3) -> float:
+def wait_quiet(
+    *, busy_below: float = 0.08, window: float = 0.5, max_wait: float = 20.0, min_wait: float = 0.3
+) -> float:
     """Sleep until the machine's CPUs are mostly idle for one window (the kernel frees a
     deleted namespace's big tables in a worker, which slows the next load). Returns the
     seconds waited."""

@@ -34,9 +34,15 @@ class RenderFigures:
     bytes: int = 0
 
     def to_json(self) -> dict[str, object]:
-        return {"size": self.size, "parse": self.parse.to_json(), "cold": self.cold.to_json(),
-                "warm": self.warm.to_json(), "foreign": self.foreign.to_json(),
-                "lines": self.lines, "bytes": self.bytes}
+        return {
+            "size": self.size,
+            "parse": self.parse.to_json(),
+            "cold": self.cold.to_json(),
+            "warm": self.warm.to_json(),
+            "foreign": self.foreign.to_json(),
+            "lines": self.lines,
+            "bytes": self.bytes,
+        }
 
 
 def measure(size: int, options: RuleOptions, repeats: int) -> RenderFigures:

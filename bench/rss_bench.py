@@ -85,8 +85,7 @@ def measure(flavour: str, size: int, workdir: Path, log: Callable[[str], None]) 
         # A fresh node never gets its first sync on nft (bench/fixes.py bug 1). To still
         # see the memory, give the namespace the chain the first piece needs.
         fig.workaround = "bug 1: KUBE-MARK-MASQ pre-created in the namespace"
-        log(f"    rss {flavour} {size}: first sync hit bug 1; retrying with the chain "
-            "pre-created")
+        log(f"    rss {flavour} {size}: first sync hit bug 1; retrying with the chain pre-created")
         netns.wait_quiet(min_wait=2.0, busy_below=0.2)
         _run_once(fig, source, config, workdir, precreate=True, log=log)
     return fig
@@ -96,23 +95,49 @@ class _Bug1(Exception):
     pass
 
 
-def _run_once(fig: RssFigures, source: Path, config: Path, workdir: Path, *, precreate: bool,
-              log: Callable[[str], None]) -> None:
+def _run_once(
+    fig: RssFigures,
+    source: Path,
+    config: Path,
+    workdir: Path,
+    *,
+    precreate: bool,
+    log: Callable[[str], None],
+) -> None:
     state = workdir / f"state-{fig.backend}-{fig.size}-{int(precreate)}"
     logfile = workdir / f"kproxy-{fig.backend}-{fig.size}-{int(precreate)}.log"
     with netns.fresh() as ns:
         if precreate:
-            subprocess.run(netns.exec_argv(ns, [f"iptables-{fig.backend}", "-t", "nat", "-N",
-                                                "KUBE-MARK-MASQ"]), check=True)
-        argv = netns.exec_argv(ns, [
-            sys.executable, "-m", "kproxy.cli", "run", "--source", str(source),
-            "--config", str(config), "--state-dir", str(state),
-            "--node-ip", workload.NODE_IP, "--iptables-backend", fig.backend,
-        ])
+            subprocess.run(
+                netns.exec_argv(
+                    ns, [f"iptables-{fig.backend}", "-t", "nat", "-N", "KUBE-MARK-MASQ"]
+                ),
+                check=True,
+            )
+        argv = netns.exec_argv(
+            ns,
+            [
+                sys.executable,
+                "-m",
+                "kproxy.cli",
+                "run",
+                "--source",
+                str(source),
+                "--config",
+                str(config),
+                "--state-dir",
+                str(state),
+                "--node-ip",
+                workload.NODE_IP,
+                "--iptables-backend",
+                fig.backend,
+            ],
+        )
         with logfile.open("w") as out:
             t0 = time.monotonic()
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         try:
             _wait_first_sync(proc, state / "status.json", logfile)
             fig.first_sync_s = time.monotonic() - t0
@@ -124,14 +149,17 @@ def _run_once(fig: RssFigures, source: Path, config: Path, workdir: Path, *, pre
             time.sleep(STEADY_WAIT)
             fig.idle_cpu_pct = 100 * (_cpu_seconds(proc.pid) - cpu0) / STEADY_WAIT
             fig.steady_rss_mb = _proc_status(proc.pid)["VmRSS"]
-            log(f"    rss {fig.backend} {fig.size}: RSS {fig.rss_mb:.0f} MiB, peak "
-                f"{fig.hwm_mb:.0f} MiB, first sync after {fig.first_sync_s:.1f} s")
+            log(
+                f"    rss {fig.backend} {fig.size}: RSS {fig.rss_mb:.0f} MiB, peak "
+                f"{fig.hwm_mb:.0f} MiB, first sync after {fig.first_sync_s:.1f} s"
+            )
         finally:
             _stop(proc)
 
 
-def _wait_first_sync(proc: subprocess.Popen[bytes], status: Path, logfile: Path
-                     ) -> dict[str, object]:
+def _wait_first_sync(
+    proc: subprocess.Popen[bytes], status: Path, logfile: Path
+) -> dict[str, object]:
     deadline = time.monotonic() + FIRST_SYNC_TIMEOUT
     while time.monotonic() < deadline:
         st = _status(status)

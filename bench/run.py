@@ -52,8 +52,11 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--sizes", type=_ints, default=None, help="default 1000,5000,10000")
     ap.add_argument("--backends", type=_names, default=["nft", "legacy"])
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
@@ -68,8 +71,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     if args.out is None:
-        args.out = (Path(tempfile.gettempdir()) / "kproxy-BENCHMARKS-quick.md" if args.quick
-                    else Path("BENCHMARKS.md"))
+        args.out = (
+            Path(tempfile.gettempdir()) / "kproxy-BENCHMARKS-quick.md"
+            if args.quick
+            else Path("BENCHMARKS.md")
+        )
     return args
 
 
@@ -90,13 +96,22 @@ def rss_plan(backends: list[str], sizes: list[int]) -> list[tuple[str, int]]:
     return plan
 
 
-def _membreak(sources: dict[str, Path], config: Path, flavour: str
-              ) -> dict[str, dict[str, object]]:
+def _membreak(sources: dict[str, Path], config: Path, flavour: str) -> dict[str, dict[str, object]]:
     """VmRSS stages from sources["rss"], tracemalloc stages from sources["trace"]."""
     out: dict[str, dict[str, object]] = {}
     for mode, extra in (("rss", []), ("trace", ["--trace"])):
-        argv = [sys.executable, "-m", "bench.membreak", "--source", str(sources[mode]),
-                "--config", str(config), "--flavour", flavour, *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.membreak",
+            "--source",
+            str(sources[mode]),
+            "--config",
+            str(config),
+            "--flavour",
+            flavour,
+            *extra,
+        ]
         proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"membreak {mode} failed: {proc.stderr[-2000:]}")
@@ -108,12 +123,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     _preflight()
     command = ".venv/bin/python -m bench.run " + shlex.join(
-        list(argv) if argv is not None else sys.argv[1:])
+        list(argv) if argv is not None else sys.argv[1:]
+    )
     workdir = Path(tempfile.mkdtemp(prefix="kproxy-bench-"))
-    logging.basicConfig(filename=str(workdir / "kproxy.log"), level=logging.INFO,
-                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
-    res = Results(machine=machine.describe(), command=command.strip(), repeats=args.repeats,
-                  sizes=args.sizes, backends=args.backends)
+    logging.basicConfig(
+        filename=str(workdir / "kproxy.log"),
+        level=logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+    )
+    res = Results(
+        machine=machine.describe(),
+        command=command.strip(),
+        repeats=args.repeats,
+        sizes=args.sizes,
+        backends=args.backends,
+    )
     log(f"machine: {res.machine}")
     log(f"workdir {workdir} (kproxy log: {workdir / 'kproxy.log'})")
     config = workdir / "kproxy-config.yaml"
@@ -132,26 +156,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for size in args.sizes:
             log(f"render {size}")
-            attempt(f"render {size}",
-                    lambda s=size: res.render.append(render_bench.measure(s, options,
-                                                                          args.repeats)))
+            attempt(
+                f"render {size}",
+                lambda s=size: res.render.append(render_bench.measure(s, options, args.repeats)),
+            )
         for backend in args.backends:
             for size in args.sizes:
                 log(f"sync {backend} {size}")
                 bench = sync_bench.SyncBench(backend, size, options, log)
                 giant = not args.quick
-                attempt(f"sync {backend} {size}",
-                        lambda b=bench, g=giant: res.syncs.append(b.run(args.repeats, giant=g)))
+                attempt(
+                    f"sync {backend} {size}",
+                    lambda b=bench, g=giant: res.syncs.append(b.run(args.repeats, giant=g)),
+                )
         if "nft" in args.backends and SWEEP_SIZE in args.sizes and not args.quick:
             log(f"nft piece-size sweep at {SWEEP_SIZE}")
             res.sweep_size = SWEEP_SIZE
-            attempt("piece sweep", lambda: res.sweep.update(
-                sync_bench.piece_sweep(SWEEP_SIZE, options, SWEEP_PIECES, log)))
+            attempt(
+                "piece sweep",
+                lambda: res.sweep.update(
+                    sync_bench.piece_sweep(SWEEP_SIZE, options, SWEEP_PIECES, log)
+                ),
+            )
         if not args.no_rss:
             for backend, size in rss_plan(args.backends, args.sizes):
                 log(f"rss {backend} {size}")
-                attempt(f"rss {backend} {size}", lambda b=backend, s=size: res.rss.append(
-                    rss_bench.measure(b, s, workdir, log)))
+                attempt(
+                    f"rss {backend} {size}",
+                    lambda b=backend, s=size: res.rss.append(rss_bench.measure(b, s, workdir, log)),
+                )
             biggest = max(args.sizes)
             # tracemalloc makes the daemon's start ~5x slower: trace a mid size (the same
             # structures, proportionally) to stay inside the time budget.
@@ -162,8 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             def breakdown() -> None:
                 source, cfg = rss_bench.prepare_files(workdir, biggest)
                 small, _ = rss_bench.prepare_files(workdir, traced)
-                res.membreak = _membreak({"rss": source, "trace": small}, cfg,
-                                         args.backends[0])
+                res.membreak = _membreak({"rss": source, "trace": small}, cfg, args.backends[0])
 
             attempt("memory breakdown", breakdown)
     finally:
@@ -185,11 +217,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _raw(res: Results) -> dict[str, object]:
     return {
-        "machine": res.machine, "command": res.command, "repeats": res.repeats,
+        "machine": res.machine,
+        "command": res.command,
+        "repeats": res.repeats,
         "render": [r.to_json() for r in res.render],
         "syncs": [s.to_json() for s in res.syncs],
-        "sweep": res.sweep, "rss": [r.to_json() for r in res.rss],
-        "membreak": res.membreak, "wall_s": res.wall_s,
+        "sweep": res.sweep,
+        "rss": [r.to_json() for r in res.rss],
+        "membreak": res.membreak,
+        "wall_s": res.wall_s,
     }
 
 

@@ -30,8 +30,7 @@ class Stat:
         return len(self.values) == 1
 
     def to_json(self) -> dict[str, object]:
-        return {"values": self.values, "median": self.median, "best": self.best,
-                "note": self.note}
+        return {"values": self.values, "median": self.median, "best": self.best, "note": self.note}
 
 
 def repeat(fn: Callable[[], float], repeats: int, *, once_above: float = ONCE_ABOVE) -> Stat:

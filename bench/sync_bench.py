@@ -87,7 +87,8 @@ class SyncFigures:
     bare: dict[str, Stat] = field(default_factory=lambda: {k: Stat() for k in KINDS})
     # per kind, per part (plan/save/check/restore/other): seconds of each repeat
     parts: dict[str, dict[str, Stat]] = field(
-        default_factory=lambda: {k: {p: Stat() for p in PARTS} for k in KINDS})
+        default_factory=lambda: {k: {p: Stat() for p in PARTS} for k in KINDS}
+    )
     # CPU cores' worth of other work on the machine during each measurement (contention.py)
     foreign: dict[str, Stat] = field(default_factory=lambda: {k: Stat() for k in KINDS})
     foreign_bare: dict[str, Stat] = field(default_factory=lambda: {k: Stat() for k in KINDS})
@@ -107,33 +108,42 @@ class SyncFigures:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "backend": self.backend, "size": self.size,
+            "backend": self.backend,
+            "size": self.size,
             "ours": {k: v.to_json() for k, v in self.ours.items()},
             "bare": {k: v.to_json() for k, v in self.bare.items()},
             "parts": {k: {p: s.to_json() for p, s in v.items()} for k, v in self.parts.items()},
             "foreign": {k: v.to_json() for k, v in self.foreign.items()},
             "foreign_bare": {k: v.to_json() for k, v in self.foreign_bare.items()},
-            "snapshot": self.snapshot.to_json(), "giant": self.giant.to_json(),
+            "snapshot": self.snapshot.to_json(),
+            "giant": self.giant.to_json(),
             "giant_foreign": self.giant_foreign.to_json(),
-            "attached": self.attached.to_json(), "detached": self.detached.to_json(),
-            "pieces": self.pieces, "input_bytes": self.input_bytes,
-            "input_lines": self.input_lines, "rules_in_kernel": self.rules_in_kernel,
-            "problems": self.problems, "workaround": self.workaround,
+            "attached": self.attached.to_json(),
+            "detached": self.detached.to_json(),
+            "pieces": self.pieces,
+            "input_bytes": self.input_bytes,
+            "input_lines": self.input_lines,
+            "rules_in_kernel": self.rules_in_kernel,
+            "problems": self.problems,
+            "workaround": self.workaround,
         }
 
 
-def bare_restore(ns: str, flavour: str, inputs: Sequence[str], *,
-                 timeout: float | None = None) -> float:
+def bare_restore(
+    ns: str, flavour: str, inputs: Sequence[str], *, timeout: float | None = None
+) -> float:
     """Feed inputs one after the other to iptables-<flavour>-restore --noflush; seconds.
     With a timeout the restore (our child) is killed and TimeoutExpired raised."""
     argv = netns.exec_argv(ns, [f"iptables-{flavour}-restore", "--noflush"])
     t0 = time.perf_counter()
     for i, data in enumerate(inputs):
-        proc = subprocess.run(argv, input=data, capture_output=True, text=True, check=False,
-                              timeout=timeout)
+        proc = subprocess.run(
+            argv, input=data, capture_output=True, text=True, check=False, timeout=timeout
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"bare restore {i + 1}/{len(inputs)} in {ns} failed: "
-                               f"{proc.stderr.strip()[:500]}")
+            raise RuntimeError(
+                f"bare restore {i + 1}/{len(inputs)} in {ns} failed: {proc.stderr.strip()[:500]}"
+            )
     return time.perf_counter() - t0
 
 
@@ -163,8 +173,12 @@ def merge_pieces(pieces: Sequence[str]) -> str:
 
 def count_rules(ns: str, flavour: str) -> dict[str, int]:
     """'-A' lines per table, from a full save (a full legacy save creates no tables)."""
-    proc = subprocess.run(netns.exec_argv(ns, [f"iptables-{flavour}-save"]),
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        netns.exec_argv(ns, [f"iptables-{flavour}-save"]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     counts: dict[str, int] = {}
     table = ""
     for line in proc.stdout.splitlines():
@@ -184,8 +198,13 @@ class _Timed:
         self._plan = dp.renderer.plan
         dp.renderer.plan = self  # type: ignore[method-assign]
 
-    def __call__(self, snapshot: Snapshot, *, rewrite: set[ServicePortName] | None = None,
-                 existing_chains: Iterable[str] = ()) -> IptablesPlan:
+    def __call__(
+        self,
+        snapshot: Snapshot,
+        *,
+        rewrite: set[ServicePortName] | None = None,
+        existing_chains: Iterable[str] = (),
+    ) -> IptablesPlan:
         t0 = time.perf_counter()
         try:
             return self._plan(snapshot, rewrite=rewrite, existing_chains=existing_chains)
@@ -213,8 +232,13 @@ Step = tuple[str, list[str]]  # (kind, the restore inputs the dataplane sent for
 
 class SyncBench:
     def __init__(
-        self, flavour: str, size: int, options: RuleOptions, log: Callable[[str], None],
-        *, partials: int = PARTIALS,
+        self,
+        flavour: str,
+        size: int,
+        options: RuleOptions,
+        log: Callable[[str], None],
+        *,
+        partials: int = PARTIALS,
     ) -> None:
         self.dp_class: type[IptablesDataplane] = IptablesDataplane
         self.flavour = flavour
@@ -296,8 +320,10 @@ class SyncBench:
                 fig.input_lines[kind] = sum(d.count("\n") for d in data)
                 if kind == "partial" and result.rewritten != 1:
                     fig.problems.append(f"partial rewrote {result.rewritten} services, not 1")
-                self.log(f"    {self.flavour} {self.size} #{r + 1} ours {kind}: {took:.3f} s "
-                         f"({result.pieces} piece(s); others {meter.foreign_cores:.2f} cores)")
+                self.log(
+                    f"    {self.flavour} {self.size} #{r + 1} ours {kind}: {took:.3f} s "
+                    f"({result.pieces} piece(s); others {meter.foreign_cores:.2f} cores)"
+                )
             if not fig.rules_in_kernel:
                 fig.rules_in_kernel = count_rules(ns, self.flavour)
         if not self._initial_inputs:
@@ -312,8 +338,10 @@ class SyncBench:
         self.fig.snapshot.values.clear()
         self.fig.workaround = "bug 1: split initial sync rejected, see bench/fixes.py"
         self.fig.problems.append(f"production initial full sync FAILED: {str(err)[:300]}")
-        self.log(f"    {self.flavour} {self.size}: production initial sync failed (bug 1); "
-                 "measuring with the bench workaround")
+        self.log(
+            f"    {self.flavour} {self.size}: production initial sync failed (bug 1); "
+            "measuring with the bench workaround"
+        )
         self.dp_class = MarkMasqFirstDataplane
         _settle(self.flavour, self.size)
 
@@ -333,14 +361,17 @@ class SyncBench:
                     took = bare_restore(ns, self.flavour, data)
                 self.fig.bare[kind].add(took)
                 self.fig.foreign_bare[kind].add(meter.foreign_cores)
-                self.log(f"    {self.flavour} {self.size} #{r + 1} bare {kind}: {took:.3f} s "
-                         f"(others {meter.foreign_cores:.2f} cores)")
+                self.log(
+                    f"    {self.flavour} {self.size} #{r + 1} bare {kind}: {took:.3f} s "
+                    f"(others {meter.foreign_cores:.2f} cores)"
+                )
             if r == 0:
                 counts = count_rules(ns, self.flavour)
                 if counts != self.fig.rules_in_kernel:
                     self.fig.problems.append(
                         f"bare restores left {counts} rules, the dataplane "
-                        f"{self.fig.rules_in_kernel}")
+                        f"{self.fig.rules_in_kernel}"
+                    )
                 if self.flavour == "nft":
                     self._kernel_share(ns, steps)
 
@@ -349,11 +380,15 @@ class SyncBench:
         the jumps from the built-in chains in place, then again after deleting them."""
         lines = steps[-1][1][0].splitlines()
         stale = {line[3:] for line in lines if line.startswith("-X ")}
-        rewrite = "\n".join(
-            line for line in lines
-            if not line.startswith("-X ") and not (line.startswith(":")
-                                                   and line[1:].split(" ")[0] in stale)
-        ) + "\n"
+        rewrite = (
+            "\n".join(
+                line
+                for line in lines
+                if not line.startswith("-X ")
+                and not (line.startswith(":") and line[1:].split(" ")[0] in stale)
+            )
+            + "\n"
+        )
         undo: dict[str, list[str]] = {}
         for piece in steps[0][1]:
             table = ""
@@ -365,14 +400,19 @@ class SyncBench:
         for _ in range(3):
             _between_steps()
             self.fig.attached.add(bare_restore(ns, self.flavour, [rewrite]))
-        bare_restore(ns, self.flavour, ["".join(
-            f"*{t}\n" + "\n".join(ls) + "\nCOMMIT\n" for t, ls in undo.items())])
+        bare_restore(
+            ns,
+            self.flavour,
+            ["".join(f"*{t}\n" + "\n".join(ls) + "\nCOMMIT\n" for t, ls in undo.items())],
+        )
         for _ in range(3):
             _between_steps()
             self.fig.detached.add(bare_restore(ns, self.flavour, [rewrite]))
-        self.log(f"    {self.flavour} {self.size} one-service rewrite, bare: "
-                 f"{self.fig.attached.median:.3f} s attached, "
-                 f"{self.fig.detached.median:.3f} s without the built-in chain jumps")
+        self.log(
+            f"    {self.flavour} {self.size} one-service rewrite, bare: "
+            f"{self.fig.attached.median:.3f} s attached, "
+            f"{self.fig.detached.median:.3f} s without the built-in chain jumps"
+        )
 
     # -- one giant restore (nft) ------------------------------------------------------------
 
@@ -385,27 +425,34 @@ class SyncBench:
         for _ in range(runs):
             _settle(self.flavour, self.size, heavy=self.size >= 5000)
             with netns.fresh() as ns:
-                self.log(f"    {self.flavour} {self.size} bare one-restore full load "
-                         f"({len(data) / 1e6:.1f} MB)...")
+                self.log(
+                    f"    {self.flavour} {self.size} bare one-restore full load "
+                    f"({len(data) / 1e6:.1f} MB)..."
+                )
                 try:
                     with Meter() as meter:
                         took = bare_restore(ns, self.flavour, [data], timeout=GIANT_TIMEOUT)
                 except subprocess.TimeoutExpired:
                     self.fig.giant.note = f"> {GIANT_TIMEOUT:.0f} s: stopped, 1 run"
-                    self.log(f"    {self.flavour} {self.size} bare one-restore: still running "
-                             f"after {GIANT_TIMEOUT:.0f} s, stopped")
+                    self.log(
+                        f"    {self.flavour} {self.size} bare one-restore: still running "
+                        f"after {GIANT_TIMEOUT:.0f} s, stopped"
+                    )
                     break
                 self.fig.giant.add(took)
                 self.fig.giant_foreign.add(meter.foreign_cores)
-                self.log(f"    {self.flavour} {self.size} bare one-restore: {took:.2f} s "
-                         f"(others {meter.foreign_cores:.2f} cores)")
+                self.log(
+                    f"    {self.flavour} {self.size} bare one-restore: {took:.2f} s "
+                    f"(others {meter.foreign_cores:.2f} cores)"
+                )
             if took > ONCE_ABOVE:
                 break
         _settle(self.flavour, self.size, heavy=self.size >= 5000)
 
 
-def piece_sweep(size: int, options: RuleOptions, piece_sizes: Sequence[int],
-                log: Callable[[str], None]) -> dict[int, float]:
+def piece_sweep(
+    size: int, options: RuleOptions, piece_sizes: Sequence[int], log: Callable[[str], None]
+) -> dict[int, float]:
     """nft initial full sync at one size with other PIECE_SERVICES values (one run each)."""
     out: dict[int, float] = {}
     cls: type[IptablesDataplane] = IptablesDataplane
@@ -426,8 +473,10 @@ def piece_sweep(size: int, options: RuleOptions, piece_sizes: Sequence[int],
                     cls = MarkMasqFirstDataplane
                     continue
                 out[ps] = time.perf_counter() - t0
-            log(f"    nft {size} initial with {ps} services per piece: {out[ps]:.2f} s "
-                f"({result.pieces} pieces)")
+            log(
+                f"    nft {size} initial with {ps} services per piece: {out[ps]:.2f} s "
+                f"({result.pieces} pieces)"
+            )
             break
     _settle("nft", size)
     return out

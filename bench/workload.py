@@ -193,9 +193,7 @@ def write_source(folder: Path, n: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "node.yaml").write_text(_NODE_FILE)
     for i in range(n):
-        eps = "".join(
-            _ENDPOINT.format(ip=ip, node=k + 2) for k, ip in enumerate(endpoint_ips(i))
-        )
+        eps = "".join(_ENDPOINT.format(ip=ip, node=k + 2) for k, ip in enumerate(endpoint_ips(i)))
         text = _FILE.format(
             name=service_name(i), ns=NAMESPACE, cip=_ip(_SERVICE_BASE + i), endpoints=eps
         )

@@ -30,22 +30,40 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for networ
 
 # --------------------------------------------------------------------------------- parsing
 
-DEFAULT = ("udp      17 29 src=10.100.0.2 dst=10.96.0.10 sport=40001 dport=53 [UNREPLIED] "
-           "src=10.244.0.2 dst=10.100.0.2 sport=5353 dport=40001 mark=0 use=1")
-EXTENDED_TCP = ("ipv4     2 tcp      6 431999 ESTABLISHED src=10.100.0.2 dst=10.96.0.11 "
-                "sport=48602 dport=80 packets=3 bytes=164 src=10.244.0.2 dst=10.100.0.2 "
-                "sport=8080 dport=48602 packets=2 bytes=112 [ASSURED] mark=0 zone=3 use=1")
-ICMP = ("icmp     1 29 src=10.100.0.2 dst=10.96.0.10 type=8 code=0 id=7 src=10.244.0.2 "
-        "dst=10.100.0.2 type=0 code=0 id=7 mark=0 use=1")
+DEFAULT = (
+    "udp      17 29 src=10.100.0.2 dst=10.96.0.10 sport=40001 dport=53 [UNREPLIED] "
+    "src=10.244.0.2 dst=10.100.0.2 sport=5353 dport=40001 mark=0 use=1"
+)
+EXTENDED_TCP = (
+    "ipv4     2 tcp      6 431999 ESTABLISHED src=10.100.0.2 dst=10.96.0.11 "
+    "sport=48602 dport=80 packets=3 bytes=164 src=10.244.0.2 dst=10.100.0.2 "
+    "sport=8080 dport=48602 packets=2 bytes=112 [ASSURED] mark=0 zone=3 use=1"
+)
+ICMP = (
+    "icmp     1 29 src=10.100.0.2 dst=10.96.0.10 type=8 code=0 id=7 src=10.244.0.2 "
+    "dst=10.100.0.2 type=0 code=0 id=7 mark=0 use=1"
+)
 
 
 def test_parse_default_line() -> None:
     entry = parse_entry(DEFAULT)
     assert entry == ConntrackEntry(
-        proto="udp", orig_src="10.100.0.2", orig_dst="10.96.0.10", orig_sport=40001,
-        orig_dport=53, reply_src="10.244.0.2", reply_dst="10.100.0.2", reply_sport=5353,
-        reply_dport=40001, timeout=29, state=None, flags=frozenset({"UNREPLIED"}),
-        family="ipv4", mark=0, zone=None)
+        proto="udp",
+        orig_src="10.100.0.2",
+        orig_dst="10.96.0.10",
+        orig_sport=40001,
+        orig_dport=53,
+        reply_src="10.244.0.2",
+        reply_dst="10.100.0.2",
+        reply_sport=5353,
+        reply_dport=40001,
+        timeout=29,
+        state=None,
+        flags=frozenset({"UNREPLIED"}),
+        family="ipv4",
+        mark=0,
+        zone=None,
+    )
     assert entry.unreplied and not entry.assured
 
 
@@ -66,25 +84,30 @@ def test_parse_portless_and_junk() -> None:
     assert parse_entry("udp 17 29 src=1.2.3.4") is None
 
 
-def entry(dst: str, dport: int, reply_src: str, proto: str = "udp", sport: int = 40000
-          ) -> ConntrackEntry:
-    return ConntrackEntry(proto, "10.100.0.2", dst, sport, dport, reply_src, "10.100.0.2",
-                          5353, sport)
+def entry(
+    dst: str, dport: int, reply_src: str, proto: str = "udp", sport: int = 40000
+) -> ConntrackEntry:
+    return ConntrackEntry(
+        proto, "10.100.0.2", dst, sport, dport, reply_src, "10.100.0.2", 5353, sport
+    )
 
 
 def test_stale_udp_filters_like_upstream() -> None:
     entries = [
-        entry("10.96.0.10", 53, "10.244.0.2", sport=1),   # endpoint gone -> stale
-        entry("10.96.0.10", 53, "10.244.0.2", sport=2),   # same group, one filter
-        entry("10.96.0.10", 53, "10.244.0.3"),            # still serving
-        entry("10.96.0.10", 5300, "10.244.0.2"),          # another port: not ours to judge
-        entry("10.96.0.20", 53, "10.244.0.2"),            # unknown service IP
+        entry("10.96.0.10", 53, "10.244.0.2", sport=1),  # endpoint gone -> stale
+        entry("10.96.0.10", 53, "10.244.0.2", sport=2),  # same group, one filter
+        entry("10.96.0.10", 53, "10.244.0.3"),  # still serving
+        entry("10.96.0.10", 5300, "10.244.0.2"),  # another port: not ours to judge
+        entry("10.96.0.20", 53, "10.244.0.2"),  # unknown service IP
         entry("10.96.0.10", 53, "10.244.0.2", proto="tcp"),  # never TCP
-        entry("10.100.0.1", 30053, "10.244.0.9"),         # NodePort, endpoint gone
-        entry("10.100.0.1", 30054, "10.244.0.3"),         # NodePort still served
+        entry("10.100.0.1", 30053, "10.244.0.9"),  # NodePort, endpoint gone
+        entry("10.100.0.1", 30054, "10.244.0.3"),  # NodePort still served
     ]
-    filters = stale_udp_filters(entries, {("10.96.0.10", 53): {"10.244.0.3"}},
-                                {30053: {"10.244.0.3"}, 30054: {"10.244.0.3"}})
+    filters = stale_udp_filters(
+        entries,
+        {("10.96.0.10", 53): {"10.244.0.3"}},
+        {30053: {"10.244.0.3"}, 30054: {"10.244.0.3"}},
+    )
     assert filters == [
         DeleteFilter("udp", orig_dport=30053, reply_src="10.244.0.9"),
         DeleteFilter("udp", orig_dst="10.96.0.10", orig_dport=53, reply_src="10.244.0.2"),
@@ -95,8 +118,19 @@ def test_stale_udp_filters_like_upstream() -> None:
 
 def test_delete_filter_args_and_refusals() -> None:
     flt = DeleteFilter("udp", orig_dst="10.96.0.10", orig_dport=53, reply_src="10.244.0.2")
-    assert flt.args() == ["-D", "-f", "ipv4", "-p", "udp", "--orig-dst", "10.96.0.10",
-                          "--orig-port-dst", "53", "--reply-src", "10.244.0.2"]
+    assert flt.args() == [
+        "-D",
+        "-f",
+        "ipv4",
+        "-p",
+        "udp",
+        "--orig-dst",
+        "10.96.0.10",
+        "--orig-port-dst",
+        "53",
+        "--reply-src",
+        "10.244.0.2",
+    ]
     with pytest.raises(ConntrackError, match="unselective"):
         DeleteFilter("udp").args()
     with pytest.raises(ConntrackError, match="unselective"):
@@ -110,8 +144,9 @@ class FakeRunner:
         self.answers = answers
         self.calls: list[tuple[list[str], str | None]] = []
 
-    def __call__(self, argv: Sequence[str], input_data: str | None
-                 ) -> subprocess.CompletedProcess[str]:
+    def __call__(
+        self, argv: Sequence[str], input_data: str | None
+    ) -> subprocess.CompletedProcess[str]:
         argv = list(argv)
         self.calls.append((argv, input_data))
         for word, (rc, out, err) in self.answers.items():
@@ -122,21 +157,31 @@ class FakeRunner:
 
 def test_delete_many_is_one_batch_in_the_namespace() -> None:
     fake = FakeRunner({"-R": (0, DEFAULT + "\n" + DEFAULT + "\n", "")})
-    filters = [DeleteFilter("udp", orig_dst="10.96.0.10", orig_dport=53, reply_src="10.244.0.2"),
-               DeleteFilter("udp", orig_dport=30053, reply_src="10.244.0.9")]
+    filters = [
+        DeleteFilter("udp", orig_dst="10.96.0.10", orig_dport=53, reply_src="10.244.0.2"),
+        DeleteFilter("udp", orig_dport=30053, reply_src="10.244.0.9"),
+    ]
     assert Conntrack("ns1", runner=fake).delete_many(filters) == 2
     [(argv, batch)] = fake.calls
     assert argv == ["ip", "netns", "exec", "ns1", "conntrack", "-R", "-"]
-    assert batch == ("-D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53 --reply-src "
-                     "10.244.0.2\n-D -f ipv4 -p udp --orig-port-dst 30053 --reply-src 10.244.0.9\n")
+    assert batch == (
+        "-D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53 --reply-src "
+        "10.244.0.2\n-D -f ipv4 -p udp --orig-port-dst 30053 --reply-src 10.244.0.9\n"
+    )
 
 
 def test_delete_many_falls_back_to_single_deletes() -> None:
-    fake = FakeRunner({"-R": (2, "", "conntrack: invalid option -- 'R'"),
-                       "10.244.0.9": (0, DEFAULT + "\n", "1 flow entries have been deleted.\n"),
-                       "10.244.0.2": (1, "", "0 flow entries have been deleted.\n")})
-    filters = [DeleteFilter("udp", orig_dst="10.96.0.10", reply_src="10.244.0.2"),
-               DeleteFilter("udp", orig_dport=30053, reply_src="10.244.0.9")]
+    fake = FakeRunner(
+        {
+            "-R": (2, "", "conntrack: invalid option -- 'R'"),
+            "10.244.0.9": (0, DEFAULT + "\n", "1 flow entries have been deleted.\n"),
+            "10.244.0.2": (1, "", "0 flow entries have been deleted.\n"),
+        }
+    )
+    filters = [
+        DeleteFilter("udp", orig_dst="10.96.0.10", reply_src="10.244.0.2"),
+        DeleteFilter("udp", orig_dport=30053, reply_src="10.244.0.9"),
+    ]
     assert Conntrack(runner=fake).delete_many(filters) == 1
     assert len(fake.calls) == 3
     assert Conntrack(runner=fake).delete_many([]) == 0
@@ -229,10 +274,18 @@ class Topo:
     def py(self, ns: str, script: str, *args: str) -> None:
         sh("ip", "netns", "exec", ns, sys.executable, "-c", script, *args)
 
-    def udp(self, dst: str, port: int, first: int, last: int | None = None,
-            wait: bool = False) -> None:
-        self.py(self.client, UDP_CLIENT, dst, str(port), "1" if wait else "0", str(first),
-                str(last if last is not None else first))
+    def udp(
+        self, dst: str, port: int, first: int, last: int | None = None, wait: bool = False
+    ) -> None:
+        self.py(
+            self.client,
+            UDP_CLIENT,
+            dst,
+            str(port),
+            "1" if wait else "0",
+            str(first),
+            str(last if last is not None else first),
+        )
 
     def flows(self, proto: str | None = "udp") -> list[ConntrackEntry]:
         return Conntrack(self.node).list_entries(proto)
@@ -252,20 +305,53 @@ def topo() -> Iterator[Topo]:
         c, n, p = names
         # Each veth is created inside the node namespace with its peer moved straight into
         # the other namespace, so nothing ever appears in the root namespace.
-        sh("ip", "-n", n, "link", "add", "veth-c", "type", "veth", "peer", "name", "eth0",
-           "netns", c)
-        sh("ip", "-n", n, "link", "add", "veth-p", "type", "veth", "peer", "name", "eth0",
-           "netns", p)
-        for ns, dev, addr in ((n, "veth-c", f"{NODE_IP}/24"), (c, "eth0", "10.100.0.2/24"),
-                              (n, "veth-p", "10.244.0.1/24"), (p, "eth0", f"{POD_A}/24")):
+        sh(
+            "ip",
+            "-n",
+            n,
+            "link",
+            "add",
+            "veth-c",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            c,
+        )
+        sh(
+            "ip",
+            "-n",
+            n,
+            "link",
+            "add",
+            "veth-p",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            p,
+        )
+        for ns, dev, addr in (
+            (n, "veth-c", f"{NODE_IP}/24"),
+            (c, "eth0", "10.100.0.2/24"),
+            (n, "veth-p", "10.244.0.1/24"),
+            (p, "eth0", f"{POD_A}/24"),
+        ):
             sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
             sh("ip", "-n", ns, "link", "set", dev, "up")
         sh("ip", "-n", c, "route", "add", "default", "via", NODE_IP)
         sh("ip", "-n", p, "route", "add", "default", "via", "10.244.0.1")
         sh("ip", "netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         IptablesBackend("nft", netns=n).restore(RULES)
-        server = subprocess.Popen(["ip", "netns", "exec", p, sys.executable, "-c", SERVER],
-                                  stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", p, sys.executable, "-c", SERVER],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         yield Topo(c, n, p)
     finally:
@@ -300,8 +386,12 @@ def test_cleanup_deletes_flows_of_gone_endpoint_only(topo: Topo) -> None:
     topo.udp(VIP, 5300, 40003, wait=True)
     topo.udp(VIP2, 53, 40004, wait=True)
     topo.udp(NODE_IP, 30053, 40005)
-    hold = subprocess.Popen(["ip", "netns", "exec", topo.client, sys.executable, "-c", TCP_HOLD],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hold = subprocess.Popen(
+        ["ip", "netns", "exec", topo.client, sys.executable, "-c", TCP_HOLD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert hold.stdout is not None and hold.stdout.readline().startswith("connected")
         before = topo.flows(None)
@@ -347,8 +437,7 @@ def test_cleanup_many_flows_is_one_dump_and_one_batch(topo: Topo) -> None:
     topo.udp(VIP2, 53, 41300, 41309)
     calls: list[list[str]] = []
 
-    def counting(argv: Sequence[str], input_data: str | None
-                 ) -> subprocess.CompletedProcess[str]:
+    def counting(argv: Sequence[str], input_data: str | None) -> subprocess.CompletedProcess[str]:
         calls.append(list(argv))
         return run_command(argv, input_data)
 
@@ -361,8 +450,12 @@ def test_cleanup_many_flows_is_one_dump_and_one_batch(topo: Topo) -> None:
 @kernel
 @needs_root
 def test_delete_unreplied_syn_keeps_established(topo: Topo) -> None:
-    hold = subprocess.Popen(["ip", "netns", "exec", topo.client, sys.executable, "-c", TCP_HOLD],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hold = subprocess.Popen(
+        ["ip", "netns", "exec", topo.client, sys.executable, "-c", TCP_HOLD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert hold.stdout is not None and hold.stdout.readline().startswith("connected")
         topo.py(topo.client, SYN_ONLY)

@@ -50,12 +50,14 @@ class FakeRunner:
         self.calls: list[tuple[list[str], str | None]] = []
         self.answers: list[tuple[Callable[[list[str]], bool], tuple[int, str, str]]] = []
 
-    def on(self, predicate: Callable[[list[str]], bool], rc: int = 0, out: str = "",
-           err: str = "") -> None:
+    def on(
+        self, predicate: Callable[[list[str]], bool], rc: int = 0, out: str = "", err: str = ""
+    ) -> None:
         self.answers.append((predicate, (rc, out, err)))
 
-    def __call__(self, argv: Sequence[str], input_data: str | None
-                 ) -> subprocess.CompletedProcess[str]:
+    def __call__(
+        self, argv: Sequence[str], input_data: str | None
+    ) -> subprocess.CompletedProcess[str]:
         argv = list(argv)
         self.calls.append((argv, input_data))
         for predicate, (rc, out, err) in self.answers:
@@ -100,12 +102,24 @@ def test_restore_command_in_netns_with_upstream_flags() -> None:
     backend = IptablesBackend("legacy", netns="ns1", runner=fake)
     backend.restore("*nat\nCOMMIT\n")
     argv, data = fake.calls[-1]
-    assert argv == ["ip", "netns", "exec", "ns1", "iptables-legacy-restore",
-                    "-w", "5", "-W", "100000", "--noflush", "--counters"]
+    assert argv == [
+        "ip",
+        "netns",
+        "exec",
+        "ns1",
+        "iptables-legacy-restore",
+        "-w",
+        "5",
+        "-W",
+        "100000",
+        "--noflush",
+        "--counters",
+    ]
     assert data == "*nat\nCOMMIT\n"
     # version is asked of the flavour's own iptables binary, once
     assert [a for a, _ in fake.calls if "--version" in a] == [
-        ["ip", "netns", "exec", "ns1", "iptables-legacy", "--version"]]
+        ["ip", "netns", "exec", "ns1", "iptables-legacy", "--version"]
+    ]
     backend.restore("x", noflush=False, counters=False)
     assert fake.calls[-1][0][-1] == "100000"
 
@@ -134,21 +148,33 @@ def test_rejects_unknown_flavour() -> None:
 
 
 # stderr texts as iptables 1.8.9 prints them (measured in a namespace on this machine)
-STDERR_PARSE = ("iptables-nft-restore v1.8.9 (nf_tables): Couldn't load match `bogus':No such "
-                "file or directory\n\nError occurred at line: 4\nTry `iptables-nft-restore -h' "
-                "or 'iptables-nft-restore --help' for more information.\n")
+STDERR_PARSE = (
+    "iptables-nft-restore v1.8.9 (nf_tables): Couldn't load match `bogus':No such "
+    "file or directory\n\nError occurred at line: 4\nTry `iptables-nft-restore -h' "
+    "or 'iptables-nft-restore --help' for more information.\n"
+)
 STDERR_NFT_FAILED = "iptables-nft-restore: line 3 failed: No chain/target/match by that name.\n"
-STDERR_LEGACY_FAILED = ("Ignoring deprecated --wait-interval option.\n"
-                        "iptables-restore: line 5 failed\n")
-STDERR_CHAIN_DEL = ("iptables-nft-restore v1.8.9 (nf_tables): \nline 4: CHAIN_DEL failed (Device "
-                    "or resource busy): chain KUBE-A\n")
+STDERR_LEGACY_FAILED = (
+    "Ignoring deprecated --wait-interval option.\niptables-restore: line 5 failed\n"
+)
+STDERR_CHAIN_DEL = (
+    "iptables-nft-restore v1.8.9 (nf_tables): \nline 4: CHAIN_DEL failed (Device "
+    "or resource busy): chain KUBE-A\n"
+)
 STDERR_COMMIT = "iptables-nft-restore: COMMIT expected at line 4\n"
 
 
-@pytest.mark.parametrize(("stderr", "line"), [
-    (STDERR_PARSE, 4), (STDERR_NFT_FAILED, 3), (STDERR_LEGACY_FAILED, 5),
-    (STDERR_CHAIN_DEL, 4), (STDERR_COMMIT, 4), ("Another app is holding the lock\n", None),
-])
+@pytest.mark.parametrize(
+    ("stderr", "line"),
+    [
+        (STDERR_PARSE, 4),
+        (STDERR_NFT_FAILED, 3),
+        (STDERR_LEGACY_FAILED, 5),
+        (STDERR_CHAIN_DEL, 4),
+        (STDERR_COMMIT, 4),
+        ("Another app is holding the lock\n", None),
+    ],
+)
 def test_parse_failed_line(stderr: str, line: int | None) -> None:
     assert parse_failed_line(stderr) == line
 
@@ -170,8 +196,10 @@ def test_restore_error_names_line_and_text() -> None:
     assert err.line_text == "-A KUBE-A -m bogus -j RETURN"
     assert err.input_data == data
     assert err.stderr == STDERR_PARSE
-    assert str(err) == ("iptables-nft-restore rejected line 4 ('-A KUBE-A -m bogus -j RETURN'): "
-                        "Couldn't load match `bogus':No such file or directory")
+    assert str(err) == (
+        "iptables-nft-restore rejected line 4 ('-A KUBE-A -m bogus -j RETURN'): "
+        "Couldn't load match `bogus':No such file or directory"
+    )
     assert "=>     4: -A KUBE-A -m bogus -j RETURN" in err.context()
     assert isinstance(err, IptablesError)
 
@@ -190,19 +218,27 @@ def test_restore_error_past_end_and_without_line() -> None:
 
 
 def test_restore_error_points_at_jump_to_missing_chain() -> None:
-    data = ("*filter\n:A - [0:0]\n-A A -j KUBE-MISSING\nCOMMIT\n*nat\n:B - [0:0]\n"
-            "-A B -j RETURN\n-A B -m comment --comment x -j KUBE-MISSING\nCOMMIT\n")
+    data = (
+        "*filter\n:A - [0:0]\n-A A -j KUBE-MISSING\nCOMMIT\n*nat\n:B - [0:0]\n"
+        "-A B -j RETURN\n-A B -m comment --comment x -j KUBE-MISSING\nCOMMIT\n"
+    )
     fake = versioned("1.8.9")
-    fake.on(has("iptables-nft-restore"), rc=2, err=(
-        "iptables-nft-restore v1.8.9 (nf_tables): Chain 'KUBE-MISSING' does not exist\n"
-        "Error occurred at line: 9\n"))
+    fake.on(
+        has("iptables-nft-restore"),
+        rc=2,
+        err=(
+            "iptables-nft-restore v1.8.9 (nf_tables): Chain 'KUBE-MISSING' does not exist\n"
+            "Error occurred at line: 9\n"
+        ),
+    )
     with pytest.raises(RestoreError) as info:
         IptablesBackend("nft", runner=fake).restore(data)
     # only rules of the failed table are candidates
     assert info.value.suspect_line_number == 8
     assert str(info.value) == (
         "iptables-nft-restore rejected line 9 ('COMMIT'): Chain 'KUBE-MISSING' does not exist; "
-        "the jump is on line 8 ('-A B -m comment --comment x -j KUBE-MISSING')")
+        "the jump is on line 8 ('-A B -m comment --comment x -j KUBE-MISSING')"
+    )
 
 
 SAVE = """# Generated by iptables-save v1.8.9
@@ -232,10 +268,12 @@ def test_parse_save_and_views() -> None:
     backend = IptablesBackend("legacy", runner=fake)
     assert backend.chains("nat") == {"PREROUTING", "KUBE-SERVICES", "KUBE-SVC-X"}
     assert backend.rules("nat", "KUBE-SERVICES") == [
-        "-A KUBE-SERVICES -d 10.96.0.10/32 -p udp -m udp --dport 53 -j KUBE-SVC-X"]
+        "-A KUBE-SERVICES -d 10.96.0.10/32 -p udp -m udp --dport 53 -j KUBE-SVC-X"
+    ]
     assert backend.save("mangle") == ""
     assert backend.save("filter").startswith("*filter\n") and backend.save("filter").endswith(
-        "COMMIT\n")
+        "COMMIT\n"
+    )
     # legacy never asks for one table: -t would create it in the kernel
     assert all("-t" not in argv for argv, _ in fake.calls)
 
@@ -244,7 +282,8 @@ def test_outline_keeps_chains_and_builtin_rules_only() -> None:
     outlines = outline_save(SAVE)
     assert outlines["nat"].chains == {"PREROUTING", "KUBE-SERVICES", "KUBE-SVC-X"}
     assert outlines["nat"].builtin_rules == {
-        '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES'}
+        '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES'
+    }
     assert outlines["filter"].builtin_rules == {"-A INPUT -j KUBE-FIREWALL"}
     fake = FakeRunner()
     fake.on(has("iptables-legacy-save"), out=SAVE)
@@ -255,7 +294,14 @@ def test_outline_keeps_chains_and_builtin_rules_only() -> None:
 
 def test_rule_spec_unquotes_comments() -> None:
     assert rule_spec('-A PREROUTING -m comment --comment "kubernetes service portals" -j X') == [
-        "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", "X"]
+        "PREROUTING",
+        "-m",
+        "comment",
+        "--comment",
+        "kubernetes service portals",
+        "-j",
+        "X",
+    ]
 
 
 def _saves(**outputs: str) -> FakeRunner:
@@ -285,17 +331,23 @@ def test_detect_backend_heuristic_order() -> None:
 
 
 def test_pick_node_ips() -> None:
-    addresses = [("lo", "127.0.0.1", "host"), ("eth1", "198.51.100.5", "global"),
-                 ("eth0", "192.0.2.9", "link"), ("eth0", "192.0.2.10", "global")]
+    addresses = [
+        ("lo", "127.0.0.1", "host"),
+        ("eth1", "198.51.100.5", "global"),
+        ("eth0", "192.0.2.9", "link"),
+        ("eth0", "192.0.2.10", "global"),
+    ]
     assert pick_node_ips(addresses, ["eth0"]) == ("192.0.2.10",)
     assert pick_node_ips(addresses, []) == ("198.51.100.5",)
     assert pick_node_ips([("lo", "127.0.0.1", "host")], []) == ()
 
 
 def test_parse_nfacct_list() -> None:
-    text = ("{ pkts = 00000000000000000000, bytes = 00000000000000000000 } = "
-            "localhost_nps_accepted_pkts;\n{ pkts = 00000000000000000003, bytes = "
-            "00000000000000000180 } = other;\n")
+    text = (
+        "{ pkts = 00000000000000000000, bytes = 00000000000000000000 } = "
+        "localhost_nps_accepted_pkts;\n{ pkts = 00000000000000000003, bytes = "
+        "00000000000000000180 } = other;\n"
+    )
     assert parse_nfacct_list(text) == frozenset({"localhost_nps_accepted_pkts", "other"})
 
 
@@ -348,8 +400,9 @@ COMMIT
 @kernel
 @needs_root
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_restore_creates_chains_and_save_parses(flavour: str,
-                                                make_netns: Callable[[], str]) -> None:
+def test_restore_creates_chains_and_save_parses(
+    flavour: str, make_netns: Callable[[], str]
+) -> None:
     ns = make_netns()
     backend = IptablesBackend(flavour, netns=ns)
     backend.restore(GOOD)
@@ -396,8 +449,10 @@ def test_our_jumps_print_in_the_save_exactly_as_we_write_them(
 def test_bad_line_raises_restore_error(flavour: str, make_netns: Callable[[], str]) -> None:
     ns = make_netns()
     backend = IptablesBackend(flavour, netns=ns)
-    data = ("*nat\n:KUBE-SERVICES - [0:0]\n-A KUBE-SERVICES -j RETURN\n"
-            "-A KUBE-SERVICES -m nosuchmatch -j RETURN\nCOMMIT\n")
+    data = (
+        "*nat\n:KUBE-SERVICES - [0:0]\n-A KUBE-SERVICES -j RETURN\n"
+        "-A KUBE-SERVICES -m nosuchmatch -j RETURN\nCOMMIT\n"
+    )
     with pytest.raises(RestoreError) as info:
         backend.restore(data)
     err = info.value
@@ -412,8 +467,7 @@ def test_bad_line_raises_restore_error(flavour: str, make_netns: Callable[[], st
 @kernel
 @needs_root
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_jump_to_missing_chain_and_busy_delete(flavour: str,
-                                               make_netns: Callable[[], str]) -> None:
+def test_jump_to_missing_chain_and_busy_delete(flavour: str, make_netns: Callable[[], str]) -> None:
     ns = make_netns()
     backend = IptablesBackend(flavour, netns=ns)
     with pytest.raises(RestoreError) as info:
@@ -443,8 +497,9 @@ def test_jump_to_missing_chain_and_busy_delete(flavour: str,
 def test_noflush_keeps_unrelated_chains(flavour: str, make_netns: Callable[[], str]) -> None:
     ns = make_netns()
     backend = IptablesBackend(flavour, netns=ns)
-    backend.restore("*nat\n:OTHER-CHAIN - [0:0]\n-A OTHER-CHAIN -j RETURN\n"
-                    "-A OUTPUT -j OTHER-CHAIN\nCOMMIT\n")
+    backend.restore(
+        "*nat\n:OTHER-CHAIN - [0:0]\n-A OTHER-CHAIN -j RETURN\n-A OUTPUT -j OTHER-CHAIN\nCOMMIT\n"
+    )
     backend.restore(GOOD)
     backend.restore("*nat\n:KUBE-SVC-TEST - [0:0]\n-A KUBE-SVC-TEST -j ACCEPT\nCOMMIT\n")
     assert backend.rules("nat", "OTHER-CHAIN") == ["-A OTHER-CHAIN -j RETURN"]
@@ -464,8 +519,10 @@ def test_noflush_keeps_unrelated_chains(flavour: str, make_netns: Callable[[], s
 def test_check_and_delete_rule(flavour: str, make_netns: Callable[[], str]) -> None:
     ns = make_netns()
     backend = IptablesBackend(flavour, netns=ns)
-    backend.restore(GOOD + "*nat\n-A PREROUTING -m comment --comment \"kubernetes service "
-                    "portals\" -j KUBE-SERVICES\nCOMMIT\n")
+    backend.restore(
+        GOOD + '*nat\n-A PREROUTING -m comment --comment "kubernetes service '
+        'portals" -j KUBE-SERVICES\nCOMMIT\n'
+    )
     [jump] = backend.rules("nat", "PREROUTING")
     spec = rule_spec(jump)
     assert backend.check_rule("nat", spec)
@@ -490,8 +547,7 @@ def test_legacy_reads_do_not_create_tables(make_netns: Callable[[], str]) -> Non
 
 @kernel
 @needs_root
-def test_detect_backend_fresh_namespace_is_nft_and_untouched(make_netns: Callable[[], str]
-                                                             ) -> None:
+def test_detect_backend_fresh_namespace_is_nft_and_untouched(make_netns: Callable[[], str]) -> None:
     ns = make_netns()
     assert detect_backend(ns) == "nft"
     assert legacy_tables(ns) == set()
@@ -503,7 +559,8 @@ def test_detect_backend_fresh_namespace_is_nft_and_untouched(make_netns: Callabl
 def test_detect_backend_legacy_kube_rules(make_netns: Callable[[], str]) -> None:
     ns = make_netns()
     IptablesBackend("legacy", netns=ns).restore(
-        GOOD + "*nat\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n")
+        GOOD + "*nat\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n"
+    )
     assert detect_backend(ns) == "legacy"
     # a legacy KUBE-KUBELET-CANARY alone (no rules) is enough too
     ns2 = make_netns()
@@ -521,7 +578,8 @@ def test_detect_backend_nft_kube_rules(make_netns: Callable[[], str]) -> None:
     # nft hint chain wins over more legacy rules, as in iptables-wrappers
     IptablesBackend("nft", netns=ns).restore("*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n")
     IptablesBackend("legacy", netns=ns).restore(
-        "*filter\n:A - [0:0]\n-A A -j RETURN\n-A A -j RETURN\n-A A -j RETURN\nCOMMIT\n")
+        "*filter\n:A - [0:0]\n-A A -j RETURN\n-A A -j RETURN\n-A A -j RETURN\nCOMMIT\n"
+    )
     assert detect_backend(ns) == "nft"
 
 
@@ -542,14 +600,14 @@ def test_detect_node_facts(make_netns: Callable[[], str]) -> None:
     facts = detect_node_facts(ns)
     assert isinstance(facts, NodeFacts)
     assert facts.node_ips == ("192.0.2.10",)
-    assert set(facts.local_addresses) == {"127.0.0.1", "198.51.100.5", "192.0.2.10",
-                                          "192.0.2.11"}
+    assert set(facts.local_addresses) == {"127.0.0.1", "198.51.100.5", "192.0.2.10", "192.0.2.11"}
     assert facts.random_fully is True
     assert facts.nfacct_counters == nfacct_counters(ns)
     assert facts.tcp_be_liberal is False
     # tcp_be_liberal is read inside the namespace (conntrack must be loaded for the sysctl)
-    IptablesBackend("nft", netns=ns).restore("*nat\n-A OUTPUT -d 10.96.0.10 -j DNAT "
-                                             "--to-destination 192.0.2.20\nCOMMIT\n")
+    IptablesBackend("nft", netns=ns).restore(
+        "*nat\n-A OUTPUT -d 10.96.0.10 -j DNAT --to-destination 192.0.2.20\nCOMMIT\n"
+    )
     sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_be_liberal=1")
     assert detect_node_facts(ns).tcp_be_liberal is True
     given = detect_node_facts(ns, IptablesBackend("legacy", netns=ns), ["192.0.2.11"])

@@ -147,8 +147,10 @@ def test_masquerade_source_is_node_ip(lab: Lab) -> None:
     # MASQUERADE picks the node IP on br-ext.
     if shutil.which("iptables-nft") is None:
         pytest.skip("iptables-nft missing")
-    lab.exec(lab.node_ns, ["iptables-nft", "-t", "nat", "-A", "POSTROUTING", "-o", "veth-p1",
-                           "-j", "MASQUERADE"])
+    lab.exec(
+        lab.node_ns,
+        ["iptables-nft", "-t", "nat", "-A", "POSTROUTING", "-o", "veth-p1", "-j", "MASQUERADE"],
+    )
     res = lab.agent(lab.client_ns[0]).request("tcp", lab.pod_ips["pod1"], 8080)
     assert (res.ok, res.peer) == (True, lab.node_ip)
     res = lab.agent(lab.pod_ns_of("pod2")).request("tcp", lab.pod_ips["pod1"], 8080)
@@ -197,8 +199,16 @@ def test_refused_is_fast_and_silent_address_times_out(lab_module: Lab) -> None:
 def test_unreachable(lab: Lab) -> None:
     ns = lab.client_ns[1]
     # Give up on ARP after one 100 ms probe instead of three 1 s probes.
-    lab.exec(ns, ["sysctl", "-q", "-w", "net.ipv4.neigh.eth0.mcast_solicit=1",
-                  "net.ipv4.neigh.eth0.retrans_time_ms=100"])
+    lab.exec(
+        ns,
+        [
+            "sysctl",
+            "-q",
+            "-w",
+            "net.ipv4.neigh.eth0.mcast_solicit=1",
+            "net.ipv4.neigh.eth0.retrans_time_ms=100",
+        ],
+    )
     res = lab.agent(ns).request("tcp", "10.100.0.250", 8080, timeout=3)
     assert (res.ok, res.error) == (False, "unreachable")
     assert res.elapsed < 2
@@ -207,8 +217,7 @@ def test_unreachable(lab: Lab) -> None:
 def test_request_many_and_concurrent_callers(lab_module: Lab) -> None:
     agent = lab_module.agent(lab_module.client_ns[0])
     started = time.perf_counter()
-    results = agent.request_many("tcp", lab_module.pod_ips["pod2"], 8080, count=300,
-                                 concurrency=10)
+    results = agent.request_many("tcp", lab_module.pod_ips["pod2"], 8080, count=300, concurrency=10)
     assert len(results) == 300
     assert all(r.ok and r.pod == "pod2" for r in results)
     assert time.perf_counter() - started < 5

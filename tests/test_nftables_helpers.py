@@ -489,8 +489,12 @@ class FakeBackend:
         missing = [c for c in chains if c not in self.table.chains]
         if missing:
             raise NftError(f"deleting chains: No such file or directory: {missing}")
-        self.run("".join(f"flush chain {family} {table} {c}\ndelete chain {family} {table} {c}\n"
-                         for c in chains))
+        self.run(
+            "".join(
+                f"flush chain {family} {table} {c}\ndelete chain {family} {table} {c}\n"
+                for c in chains
+            )
+        )
 
     def chains(self, family: str, table: str) -> list[str]:
         return list(self.table.chains) if self.table.exists else []

@@ -311,8 +311,11 @@ def test_netlink_table_listing_matches_nft(netns: str) -> None:
     )
     backend = NftBackend(netns=netns)
     by_netlink = sorted(map(str, backend.tables()))
-    by_nft = sorted(f"{t['table']['family']} {t['table']['name']}"
-                    for t in backend.list_json("tables") if "table" in t)
+    by_nft = sorted(
+        f"{t['table']['family']} {t['table']['name']}"
+        for t in backend.list_json("tables")
+        if "table" in t
+    )
     assert by_netlink == by_nft == ["arp e", "bridge d", "inet c", "ip a", "ip6 b", "netdev f"]
 
 

@@ -157,9 +157,7 @@ def list_labs(
         _print_human(lab)
 
 
-@lab_app.command(
-    "uml", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
-)
+@lab_app.command("uml", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def uml_run(
     ctx: typer.Context,
     timeout: Annotated[

@@ -510,4 +510,3 @@ def run_in_uml(
     """Boot a guest, run argv inside it and return what happened; the run dir is removed."""
     with UmlGuest(mem=mem, timeout=timeout) as guest:
         return guest.run(argv, cwd=cwd, env=env)
-

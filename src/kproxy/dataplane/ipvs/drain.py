@@ -55,9 +55,7 @@ PROC_IP_VS_CONN = "/proc/net/ip_vs_conn"
 # port of one of IPVS's TIME_WAIT entries: IPVS sees its replies in FORWARD only and holds
 # the entry in SYN_SENT for 2 minutes (seen in the UML switch test), though it carries
 # nothing of IPVS's.
-CLOSED_STATES = frozenset(
-    {"TIME_WAIT", "CLOSE", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK", "SYN_SENT"}
-)
+CLOSED_STATES = frozenset({"TIME_WAIT", "CLOSE", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK", "SYN_SENT"})
 
 ConnReader = Callable[[], Mapping[VSKey, int]]
 
