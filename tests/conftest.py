@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +25,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "kernel" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The UML guest boots now and runs its inner suite beside the host tests (test_uml.py).
+    uml_tests = sys.modules.get("tests.test_uml")
+    if LAB_SUPPORTED and uml_tests is not None and not session.config.option.collectonly:
+        uml_tests.start_in_background(session)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    uml_tests = sys.modules.get("tests.test_uml")
+    if uml_tests is not None:
+        uml_tests.stop_background()
 
 
 def _lab() -> Iterator[Lab]:

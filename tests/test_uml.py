@@ -17,6 +17,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Overridable only to check the harness itself against a scratch folder of known outcomes.
 INNER_DIR = os.environ.get("KPROXY_UML_INNER_DIR", "tests/uml")
 REPORT_ENV = "KPROXY_UML_REPORT"
+PARALLEL_ENV = "KPROXY_UML_PARALLEL"
 # The whole inner suite, boot to poweroff. Override for slow machines.
 TIMEOUT = float(os.environ.get("KPROXY_UML_TIMEOUT", "900"))
 COLLECT_TIMEOUT = 120.0
@@ -170,7 +172,7 @@ def _parse_report(path: Path) -> tuple[dict[str, InnerTest], list[dict[str, Any]
     return tests, collect_errors
 
 
-def _run_inner(selected: list[str]) -> InnerRun:
+def _run_inner(selected: list[str], cancel: threading.Event | None = None) -> InnerRun:
     try:
         guest = UmlGuest(timeout=TIMEOUT)
     except Exception as exc:
@@ -192,24 +194,73 @@ def _run_inner(selected: list[str]) -> InnerRun:
             "addopts=-ra",
             f"--rootdir={REPO}",
         ]
-        result = guest.run(argv, cwd=REPO, env={REPORT_ENV: str(report)})
+        result = guest.run(argv, cwd=REPO, env={REPORT_ENV: str(report)}, cancel=cancel)
         tests, collect_errors = _parse_report(report)
     return InnerRun(result, None, tests, collect_errors)
+
+
+def _selected(session: pytest.Session) -> list[str]:
+    return [
+        item.callspec.params["inner_id"]
+        for item in session.items
+        if isinstance(item, pytest.Function)
+        and hasattr(item, "callspec")
+        and item.callspec.params.get("inner_id") in COLLECTED
+    ]
+
+
+@dataclass
+class _Background:
+    """The guest run started at the end of collection, beside the host tests."""
+
+    thread: threading.Thread
+    cancel: threading.Event
+    started: float
+    run: InnerRun | None = None
+
+
+_BACKGROUND: list[_Background] = []
+
+
+def start_in_background(session: pytest.Session) -> None:
+    """Boot the guest now (tests/conftest.py calls this once collection is done): the inner
+    suite (~6 min, about one core) then runs beside the host tests instead of after them.
+    KPROXY_UML_PARALLEL=0 runs it when its first outer test comes, as before."""
+    if not UML_OK or os.environ.get(PARALLEL_ENV, "1") == "0" or _BACKGROUND:
+        return
+    selected = _selected(session)
+    if not selected:
+        return
+    cancel = threading.Event()
+
+    def work() -> None:
+        bg.run = _run_inner(selected, cancel)
+
+    bg = _Background(threading.Thread(target=work, name="uml-guest"), cancel, time.perf_counter())
+    _BACKGROUND.append(bg)
+    bg.thread.start()
+
+
+def stop_background() -> None:
+    """At the end of the session: a guest still running (the session stopped early) dies."""
+    for bg in _BACKGROUND:
+        bg.cancel.set()
+        bg.thread.join()
+    _BACKGROUND.clear()
 
 
 @pytest.fixture(scope="session")
 def uml_run(request: pytest.FixtureRequest) -> Iterator[InnerRun]:
     if not UML_OK:
         pytest.skip(UML_SKIP_REASON)
-    selected = [
-        item.callspec.params["inner_id"]
-        for item in request.session.items
-        if isinstance(item, pytest.Function)
-        and hasattr(item, "callspec")
-        and item.callspec.params.get("inner_id") in COLLECTED
-    ]
-    started = time.perf_counter()
-    run = _run_inner(selected)
+    if _BACKGROUND:
+        bg = _BACKGROUND[0]
+        bg.thread.join()
+        started, beside = bg.started, " (beside the host tests)"
+        run = bg.run or InnerRun(None, "the background guest run ended without a result", {}, [])
+    else:
+        started, beside = time.perf_counter(), ""
+        run = _run_inner(_selected(request.session))
     elapsed = time.perf_counter() - started
     yield run
     result = run.result
@@ -223,7 +274,7 @@ def uml_run(request: pytest.FixtureRequest) -> Iterator[InnerRun]:
             f"\nUML: boot {fmt(result.boot_seconds or 0)}, modules "
             f"{fmt(result.module_seconds or 0)}, inner pytest {fmt(result.command_seconds or 0)}"
             f", guest wall {fmt(result.wall_seconds)}, total {fmt(elapsed)};"
-            f" {len(run.tests)} inner tests"
+            f" {len(run.tests)} inner tests{beside}"
         )
 
 

@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -373,8 +374,10 @@ poweroff -f
         *,
         cwd: Path | None = None,
         env: Mapping[str, str] | None = None,
+        cancel: threading.Event | None = None,
     ) -> UmlResult:
-        """Boot, run argv (as guest root, in cwd), power off; never raises for a failing argv."""
+        """Boot, run argv (as guest root, in cwd), power off; never raises for a failing argv.
+        Setting cancel (from another thread) kills the guest as a timeout would."""
         if not argv:
             raise ValueError("argv must not be empty")
         run_dir = self.open()
@@ -413,9 +416,7 @@ poweroff -f
                 start_new_session=True,
             )
             try:
-                proc.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+                timed_out = not _wait(proc, started + self.timeout, cancel)
             finally:
                 # Also on KeyboardInterrupt: never leave a guest running.
                 _kill_group(proc)
@@ -453,6 +454,19 @@ poweroff -f
             wall_seconds=wall,
             uml_exit=uml_exit,
         )
+
+
+def _wait(proc: subprocess.Popen[bytes], deadline: float, cancel: threading.Event | None) -> bool:
+    """Wait for proc until the wall-clock deadline or cancel; True if it exited."""
+    while True:
+        left = deadline - time.time()
+        if left <= 0 or (cancel is not None and cancel.is_set()):
+            return proc.poll() is not None
+        try:
+            proc.wait(timeout=min(left, 0.5) if cancel is not None else left)
+            return True
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def group_members(pgid: int) -> list[int]:
