@@ -142,6 +142,12 @@ def run_pair(n: int, first: str, second: str) -> list[dict[str, object]]:
                         "to": report.get("to_mode"),
                         "ok": report.get("ok"),
                         "seconds": round(wall, 2),
+                        "preflight": report.get("preflight", {}).get("seconds"),
+                        "preflight_checks": sorted(
+                            report.get("preflight", {}).get("check_seconds", {}).items(),
+                            key=lambda kv: -kv[1],
+                        )[:6],
+                        "steps": steps,
                         "program": steps.get("program"),
                         "verify": steps.get("verify"),
                         "cut_over": steps.get("cut-over"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 from kproxy.dataplane.base import SyncResult
@@ -79,7 +81,43 @@ def test_make_before_break_order(tmp_path: Path) -> None:
     assert report.ok, report.error
     assert now.mode == "nftables"
     assert calls == ["nftables.sync", "iptables.detach", "iptables.cleanup"]
+    switcher.wait_records(10)  # the after-record is written in the background
     assert len(report.snapshots) == 2 and all(Path(p).exists() for p in report.snapshots)
+
+
+def test_a_fresh_preflight_backup_is_the_before_record(tmp_path: Path) -> None:
+    calls: list[str] = []
+    taken: list[int] = []
+
+    def snapshotter() -> dict[str, object]:
+        taken.append(1)
+        return PROGRAMMED
+
+    switcher = ModeSwitcher(
+        make_dataplane=lambda mode: Plane(mode, calls),
+        state_dir=tmp_path,
+        prober=lambda ip, p: None,
+        snapshotter=snapshotter,
+        plane_reader=lambda plane: services(PROGRAMMED).get(plane, {}),
+    )
+    backup = tmp_path / "preflight-backup.json"
+    backup.write_text("{}")
+    report, _ = switcher.switch(
+        Plane("iptables", calls), SNAP, "nftables", timeout=30, before=backup
+    )
+    switcher.wait_records(10)
+    assert report.ok and report.snapshots[0] == str(backup)
+    assert taken == [1], "only the after-record read the dataplane"
+    step = next(s for s in report.steps if s.name == "snapshot")
+    assert "preflight's verified backup" in step.detail
+    # A stale one (or none) is not trusted: the switch reads the dataplane itself.
+    old = time.time() - 600
+    os.utime(backup, (old, old))
+    report, _ = switcher.switch(
+        Plane("iptables", calls), SNAP, "nftables", timeout=30, before=backup
+    )
+    switcher.wait_records(10)
+    assert report.ok and report.snapshots[0] != str(backup) and len(taken) == 3
 
 
 def test_verification_failure_rolls_back_and_keeps_the_old_mode(tmp_path: Path) -> None:

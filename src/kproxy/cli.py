@@ -645,11 +645,11 @@ def switch(
             raise typer.Exit(1)
         raise fail(refusal["error"], code=1)
     try:
-        report = call(
-            state_dir / SOCKET_NAME,
-            {"op": "switch", "to": to, "timeout": timeout, "force": force},
-            timeout=timeout + 30,
-        )
+        request: dict[str, object] = {"op": "switch", "to": to, "timeout": timeout, "force": force}
+        before = gate.backup_path() if gate is not None else None
+        if before is not None:
+            request["before"] = before
+        report = call(state_dir / SOCKET_NAME, request, timeout=timeout + 30)
     except AdminUnavailable as err:
         raise fail(str(err), code=1) from None
     if gate is not None:

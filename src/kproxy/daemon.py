@@ -138,8 +138,11 @@ class Daemon:
             return 0
         return cleanup_stale_udp(ips, ports)
 
-    def switch(self, to: str, timeout: float = 60.0) -> dict[str, object]:
-        """Switch the running proxy to another mode (see kproxy.switch); returns the report."""
+    def switch(
+        self, to: str, timeout: float = 60.0, before: Path | None = None
+    ) -> dict[str, object]:
+        """Switch the running proxy to another mode (see kproxy.switch); returns the report.
+        before: the preflight's fresh backup of the node, kept as the "before" record."""
         if to == "previous":
             if self.previous_mode is None:
                 return {"ok": False, "error": "no previous mode: this kproxy has not switched yet"}
@@ -147,7 +150,9 @@ class Daemon:
         with self.loop.exclusive():
             old = self.dataplane
             snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
-            report, now_serving = self.switcher.switch(old, snapshot, to, timeout=timeout)
+            report, now_serving = self.switcher.switch(
+                old, snapshot, to, timeout=timeout, before=before
+            )
             if report.ok:
                 self.previous_mode = old.mode
                 self.dataplane = now_serving
@@ -163,7 +168,12 @@ class Daemon:
         if not isinstance(to, str):
             return {"ok": False, "error": "switch needs 'to': a mode name or 'previous'"}
         timeout = request.get("timeout", 60.0)
-        return self.switch(to, float(timeout) if isinstance(timeout, int | float) else 60.0)
+        before = request.get("before")
+        return self.switch(
+            to,
+            float(timeout) if isinstance(timeout, int | float) else 60.0,
+            Path(before) if isinstance(before, str) and before else None,
+        )
 
     def _sync_request(self, _: dict[str, object]) -> dict[str, object]:
         self.loop.request_full_sync()
@@ -221,6 +231,7 @@ class Daemon:
         self.source.stop()
         self.loop.stop()
         self.switcher.stop_reaping()  # a retired ipvs mode's draining virtual servers
+        self.switcher.wait_records(30)  # the last switch's after-record
         for server in self.servers:
             server.stop()
         self.service_health.stop()

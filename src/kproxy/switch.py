@@ -2,7 +2,8 @@
 
 Order (each step timed in the report):
   check      the target mode can run here (never a fallback)
-  snapshot   the node's dataplane, kept in the state dir
+  snapshot   the node's dataplane, kept in the state dir (or the verified backup the
+             preflight of `kproxy switch` wrote moments before: the same document)
   anchor     conntrack and NAT hooks held for the whole switch (dataplane-lab G14)
   program    the new mode completely, beside the old one (both in the packet path now;
              both DNAT to the same endpoints, the first binding wins, so this is harmless)
@@ -10,7 +11,8 @@ Order (each step timed in the report):
              and a sample of services answers from the node
   cut-over   the old mode leaves the packet path in one step (Dataplane.detach)
   remove     the old mode's state goes (the switch's duration ends here)
-  snapshot-after  the node's dataplane again, kept beside the first
+  snapshot-after  the node's dataplane again, kept beside the first: written in the
+             background after the report (the next switch waits for it)
 Anything failing before the cut-over removes the new mode's state, leaves the old mode
 untouched and deletes the half-open conntrack entries the attempt may have caused (G13).
 Established connections survive the cut-over: conntrack keeps their translation.
@@ -46,6 +48,8 @@ log = logging.getLogger("kproxy.switch")
 
 PROBE_SAMPLE = 8
 PROBE_TIMEOUT = 1.0
+# A preflight backup older than this is not taken as the "before" record of a switch.
+BEFORE_MAX_AGE = 120.0
 
 
 @dataclass
@@ -143,11 +147,21 @@ class ModeSwitcher:
         self.plane_reader = plane_reader
         self._reapers: list[threading.Thread] = []
         self._stop_reaping = threading.Event()
+        self._recorder: threading.Thread | None = None
 
     def switch(
-        self, old: Dataplane, snapshot: Snapshot, to: str, *, timeout: float
+        self,
+        old: Dataplane,
+        snapshot: Snapshot,
+        to: str,
+        *,
+        timeout: float,
+        before: Path | None = None,
     ) -> tuple[SwitchReport, Dataplane]:
-        """Returns the report and the dataplane now in use (the new one only on success)."""
+        """Returns the report and the dataplane now in use (the new one only on success).
+        before: a snapshot of the node taken just now (preflight's backup), kept instead of
+        reading the dataplane again."""
+        self.wait_records()  # the previous switch's after-record reads the kernel
         report = SwitchReport(from_mode=old.mode, to_mode=to)
         if to == "ipvs":
             # The new ipvs mode adopts the virtual servers still draining: nobody else may
@@ -177,7 +191,7 @@ class ModeSwitcher:
         try:
             step("check", lambda: self._check(old, to))
             new = self._create(to)
-            step("snapshot", lambda: self._snapshot(report, "before"))
+            step("snapshot", lambda: self._snapshot_before(report, before))
             step("anchor", lambda: f"conntrack anchor ({anchor.install()})")
             step("program", lambda: self._program(new, snapshot))
             step("verify", lambda: self._verify(new, snapshot))
@@ -201,11 +215,15 @@ class ModeSwitcher:
         # result that follows is not part of it (it is a step of its own in the report).
         report.duration = round(time.monotonic() - started, 4)
         log.info("switched %s -> %s in %.3f s", old.mode, to, report.duration)
-        try:
-            step("snapshot-after", lambda: self._snapshot(report, "after"))
-        except Exception as err:  # the switch is done; a missing record must not undo it
-            log.warning("could not record the dataplane after the switch: %s", err)
+        step("snapshot-after", lambda: self._record_after(report))
         return report, new
+
+    def wait_records(self, timeout: float | None = None) -> None:
+        """Until the after-switch snapshot being written in the background is done."""
+        if self._recorder is not None:
+            self._recorder.join(timeout)
+            if not self._recorder.is_alive():
+                self._recorder = None
 
     # --- steps -------------------------------------------------------------------------------
 
@@ -222,15 +240,46 @@ class ModeSwitcher:
         except DataplaneUnavailable as err:
             raise SwitchFailed(f"{to} mode cannot run here: {err}") from err
 
-    def _snapshot(self, report: SwitchReport, when: str) -> str:
+    def _snapshot_path(self, report: SwitchReport, when: str) -> Path | None:
         if self.state_dir is None:
-            return "no state dir: not kept"
+            return None
         self.state_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        path = self.state_dir / f"switch-{stamp}-{report.from_mode}-{report.to_mode}-{when}.json"
+        return self.state_dir / f"switch-{stamp}-{report.from_mode}-{report.to_mode}-{when}.json"
+
+    def _snapshot_before(self, report: SwitchReport, before: Path | None) -> str:
+        if before is not None:
+            try:
+                age = time.time() - before.stat().st_mtime
+            except OSError:
+                age = None
+            if age is not None and 0 <= age <= BEFORE_MAX_AGE:
+                report.snapshots.append(str(before))
+                return f"{before} (the preflight's verified backup, {age:.0f} s old)"
+        path = self._snapshot_path(report, "before")
+        if path is None:
+            return "no state dir: not kept"
         path.write_text(json.dumps(self.snapshotter(), indent=1))
         report.snapshots.append(str(path))
         return str(path)
+
+    def _record_after(self, report: SwitchReport) -> str:
+        """The switch is done: its after-record must neither delay the answer nor undo it."""
+        path = self._snapshot_path(report, "after")
+        if path is None:
+            return "no state dir: not kept"
+        snapshotter = self.snapshotter
+
+        def write() -> None:
+            try:
+                path.write_text(json.dumps(snapshotter(), indent=1))
+            except Exception as err:
+                log.warning("could not record the dataplane after the switch: %s", err)
+
+        self._recorder = threading.Thread(target=write, name="switch-record", daemon=True)
+        self._recorder.start()
+        report.snapshots.append(str(path))
+        return f"{path} (written in the background)"
 
     def _program(self, new: Dataplane, snapshot: Snapshot) -> str:
         result = new.sync(snapshot, full=True)

@@ -214,6 +214,13 @@ class SwitchGate:
             "preflight": self.result.to_dict(),
         }
 
+    def backup_path(self) -> str | None:
+        """The verified backup this preflight wrote (the switch keeps it as its "before")."""
+        for f in self.result.findings:
+            if f.id == "backup.ok" and isinstance(f.facts.get("path"), str):
+                return str(f.facts["path"])
+        return None
+
     def annotate(self, report: dict[str, Any]) -> dict[str, Any]:
         """Record the preflight (and a --force) in the switch report."""
         report["preflight"] = self.result.to_dict()

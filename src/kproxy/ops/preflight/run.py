@@ -65,6 +65,9 @@ class PreflightResult:
     skipped: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # Per check, and "read.kernel" for the first read of the node's dataplane: where a
+    # slow preflight spends its time.
+    check_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -96,6 +99,7 @@ class PreflightResult:
             "checks_skipped": self.skipped,
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
+            "check_seconds": {k: round(v, 3) for k, v in self.check_seconds.items()},
         }
 
     def to_json(self) -> str:
@@ -262,7 +266,9 @@ def run_preflight(
         objects_override=objects,
         snapshot_taker=snapshot_taker,
     )
+    read_started = time.monotonic()
     detected, flavour, notes = detect_current(ctx.kernel_snapshot)
+    read_seconds = time.monotonic() - read_started
     ctx.notes += notes
     ctx.current_mode = current_mode or (status or {}).get("mode") or detected
     ctx.current_flavour = current_flavour or (flavour if ctx.current_mode == detected else None)
@@ -271,6 +277,7 @@ def run_preflight(
     result = PreflightResult(
         target, ctx.current_mode, ctx.current_flavour, ctx.node_name, acc.netns, findings=[]
     )
+    result.check_seconds["read.kernel"] = read_seconds
     for family, checks in FAMILIES.items():
         if families is not None and family not in families:
             continue
@@ -281,6 +288,7 @@ def run_preflight(
             if check.needs_source and ctx.objects is None:
                 result.skipped[check.name] = "needs --source (the Services and EndpointSlices)"
                 continue
+            check_started = time.monotonic()
             try:
                 result.findings += check.fn(ctx)
             except Exception as err:  # a broken check must not hide the others
@@ -293,6 +301,7 @@ def run_preflight(
                         subject=check.name,
                     )
                 )
+            result.check_seconds[check.name] = time.monotonic() - check_started
             result.ran.append(check.name)
     if source is None and objects is None:
         ctx.notes.append("no --source given: object and consistency checks skipped")
