@@ -19,6 +19,7 @@ import pytest
 from kproxy.dataplane.ipvs import names as n
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
+from kproxy.leftovers import clean_leftovers
 from tests.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
@@ -90,9 +91,7 @@ def env(lab_module: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
         yield Env(lab_module, proxy)
     finally:
         proxy.stop()
-        lab_module.exec(
-            lab_module.node_ns, [sys.executable, "-m", "kproxy.cli", "cleanup"], check=False
-        )
+        clean_leftovers(None, netns=lab_module.node_ns)  # what `kproxy cleanup` removes
         lab_module.exec(lab_module.node_ns, ["ipvsadm", "-C"], check=False)
 
 

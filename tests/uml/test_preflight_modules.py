@@ -10,7 +10,6 @@ from __future__ import annotations
 import platform
 import shlex
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 
 from kproxy.config import parse_config
 from kproxy.lab.topology import Lab
+from kproxy.leftovers import clean_leftovers
 from kproxy.ops.preflight import NodeAccess, run_preflight
 from kproxy.ops.preflight.findings import Severity
 from kproxy.ops.preflight.kernel import module_tree
@@ -28,6 +28,13 @@ from tests.uml.conftest import Guest
 pytestmark = pytest.mark.kernel
 
 HEAD = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+
+
+@pytest.fixture
+def lab(lab_module: Lab) -> Lab:
+    """The module's lab: the checks only read its node, and a test that changes it puts it
+    back (building a lab costs seconds in UML)."""
+    return lab_module
 
 
 def preflight(
@@ -139,8 +146,12 @@ def test_modules_must_be_persisted_for_the_next_boot(
 
 def test_ipvs_sysctls_of_the_node(lab: Lab, guest: Guest) -> None:
     guest.require("ip_vs")
+    was = lab.exec(lab.node_ns, ["sysctl", "-n", "net.ipv4.vs.conntrack"]).stdout.strip()
     lab.exec(lab.node_ns, ["sysctl", "-q", "-w", "net.ipv4.vs.conntrack=0"])
-    result = preflight(lab, families=("sysctls",))
+    try:
+        result = preflight(lab, families=("sysctls",))
+    finally:
+        lab.exec(lab.node_ns, ["sysctl", "-q", "-w", f"net.ipv4.vs.conntrack={was}"])
     (planned,) = [f for f in result.findings if f.id == "sysctl.ipvs-planned"]
     assert "vs.conntrack=1 (now 0)" in planned.found
     assert "sysctl.ipvs-conn-reuse" not in ids(result), "6.1 has the conn_reuse fix"
@@ -178,4 +189,4 @@ def test_kube_ipvs0_and_ipsets_left_behind(lab: Lab, guest: Guest, tmp_path: Pat
         )
         assert "dataplane.leftovers" not in ids(again)
     finally:
-        lab.exec(lab.node_ns, [sys.executable, "-m", "kproxy.cli", "cleanup"], check=False)
+        clean_leftovers(None, netns=lab.node_ns)  # what `kproxy cleanup` removes

@@ -20,9 +20,11 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kproxy.conntrack import Conntrack, ConntrackEntry, ConntrackError, DeleteFilter
 from kproxy.dataplane.base import OwnedObject, SyncError, SyncResult
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import (
@@ -390,6 +392,9 @@ class UserspaceDataplane:
         ipt = [o for o in owned if o.kind.startswith("iptables")]
         if ipt:
             self.backend.restore(cleanup_input(ipt))
+        # Between the rules and the workers: nothing new is redirected any more, and the
+        # workers still answer until the flows have left them.
+        self._forget_datagram_flows()
         self.workers.stop_all()
         if any(o.kind == "ip-rule" for o in owned):
             self._ip("rule", "del", "pref", str(RULE_PRIORITY))
@@ -404,6 +409,67 @@ class UserspaceDataplane:
     def close(self) -> None:
         """Release the controller lock (the workers keep running)."""
         self.workers.release()
+
+    def _forget_datagram_flows(self) -> None:
+        """Delete the conntrack entries of UDP flows redirected to the workers.
+
+        A UDP client that keeps its 5-tuple stays one conntrack entry, whose translation to
+        a proxy port outlives the rules; once the workers are gone every datagram of the
+        flow would be refused, for as long as the flow keeps the entry alive. With the entry
+        gone, the next datagram is NEW and whatever serves the service now takes it."""
+        listeners = (self._table or {}).get("listeners", [])
+        udp = [lst for lst in listeners if lst.get("protocol") == "udp"]
+        if not udp:
+            return
+        conntrack = Conntrack(self.backend.netns)
+        try:
+            filters = redirected_flow_filters(conntrack.list_entries("udp"), udp)
+            deleted = conntrack.delete_many(filters)
+        except (ConntrackError, OSError) as err:
+            log.warning("cannot clear the conntrack entries of UDP flows to the workers: %s", err)
+            return
+        if deleted:
+            log.info("cleared %d conntrack entries of UDP flows to the workers", deleted)
+
+
+def redirected_flow_filters(
+    entries: Iterable[ConntrackEntry], listeners: Iterable[Mapping[str, Any]]
+) -> list[DeleteFilter]:
+    """Deletes for the UDP flows among entries that were redirected to a listener: sent to
+    one of its destinations ("ip:port", "nodePort N") and answered from its proxy port.
+    One filter per (destination, port, proxy address) (each filter costs a table dump),
+    unless a flow another mode translated shares it: then one per redirected flow."""
+    by_port: dict[int, set[str]] = {}
+    for lst in listeners:
+        by_port.setdefault(int(lst["port"]), set()).update(lst.get("destinations", ()))
+    ours: dict[tuple[str, int, str], list[ConntrackEntry]] = {}
+    foreign: set[tuple[str, int, str]] = set()
+    for e in entries:
+        if e.proto != "udp" or e.orig_dport is None:
+            continue
+        key = (e.orig_dst, e.orig_dport, e.reply_src)
+        dests = by_port.get(e.reply_sport or -1, set())
+        if f"{e.orig_dst}:{e.orig_dport}" in dests or f"nodePort {e.orig_dport}" in dests:
+            ours.setdefault(key, []).append(e)
+        else:
+            foreign.add(key)
+    filters: list[DeleteFilter] = []
+    for (dst, dport, proxy), flows in sorted(ours.items()):
+        if (dst, dport, proxy) not in foreign:
+            filters.append(DeleteFilter("udp", orig_dst=dst, orig_dport=dport, reply_src=proxy))
+            continue
+        filters += [
+            DeleteFilter(
+                "udp",
+                orig_src=e.orig_src,
+                orig_sport=e.orig_sport,
+                orig_dst=dst,
+                orig_dport=dport,
+                reply_src=proxy,
+            )
+            for e in flows
+        ]
+    return filters
 
 
 def clean_userspace_leftovers(
@@ -477,6 +543,7 @@ __all__ = [
     "UserspaceDataplane",
     "clean_userspace_leftovers",
     "create_userspace_dataplane",
+    "redirected_flow_filters",
     "render",
     "saved_ports",
     "userspace_chain",
