@@ -100,8 +100,12 @@ def test_cleanup_removes_only_kube_proxy_state(netns: str, flavour: str) -> None
     assert not any("KUBE-FIREWALL" in o["name"] or "OTHER-NAT" in o["name"] for o in jumps)
     assert chains(netns, flavour) >= OURS, "a dry run changes nothing"
 
-    done = run_in(netns, *kproxy)
+    done = run_in(netns, *kproxy, "--json")
     assert done.returncode == 0, done.stderr
+    # Everything listed is reported removed (nft: the netlink way stops at CALI-INPUT's
+    # jump and the save-based way removes the rest; the report holds both parts).
+    removed = json.loads(done.stdout)["removed"]
+    assert {(o["kind"], o["name"]) for o in removed} == {(o["kind"], o["name"]) for o in listed}
     left = chains(netns, flavour)
     assert not (OURS & left)
     assert left >= THEIRS
@@ -130,3 +134,24 @@ def test_cleanup_removes_kube_proxy_nftables_tables_only(netns: str) -> None:
     tables = run_in(netns, "nft", "list", "tables").stdout
     assert "kube-proxy" not in tables and "kproxy-anchor" not in tables
     assert "inet firewalld" in tables
+
+
+def test_nft_cleanup_over_netlink_alone_removes_what_the_save_lists(netns: str) -> None:
+    """Without a foreign jump into our chains the iptables-nft cleanup needs no save."""
+    from kproxy.dataplane.iptables.backend import IptablesBackend
+    from kproxy.dataplane.iptables.cleanup import owned_state, remove_over_netlink
+
+    state = UPSTREAM_STATE.replace("-A CALI-INPUT -j KUBE-SERVICES\n", "")
+    loaded = run_in(netns, "iptables-nft-restore", "--noflush", input=state)
+    assert loaded.returncode == 0, loaded.stderr
+    backend = IptablesBackend("nft", netns=netns)
+    listed = owned_state(backend)
+    removed, complete = remove_over_netlink(backend)
+    assert complete
+    assert sorted(removed, key=str) == sorted(listed, key=str)
+    left = chains(netns, "nft")
+    assert not (OURS & left) and left >= THEIRS
+    rules = run_in(netns, "iptables-nft-save").stdout
+    assert "-A INPUT -j KUBE-FIREWALL" in rules and "-A OUTPUT -j OTHER-NAT" in rules
+    assert "KUBE-SERVICES" not in rules
+    assert remove_over_netlink(backend) == ([], True)

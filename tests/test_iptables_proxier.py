@@ -70,6 +70,16 @@ class FakeBackend:
             for t in tables
         }
 
+    def builtin_outlines(self, chains: dict[str, list[str]]) -> dict[str, TableOutline]:
+        return {
+            t: TableOutline(
+                builtin_rules={
+                    f"-A {r}" for tt, r in self.rules_present if tt == t and r.split()[0] in cs
+                }
+            )
+            for t, cs in chains.items()
+        }
+
     rule_present = IptablesBackend.rule_present
 
     def check_rule(self, table: str, spec: list[str]) -> bool:

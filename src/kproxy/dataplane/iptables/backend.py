@@ -27,7 +27,7 @@ import logging
 import re
 import shlex
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -478,6 +478,40 @@ class IptablesBackend:
         found = outline_save(text)
         return {t: found.get(t, TableOutline()) for t in tables}
 
+    def builtin_outlines(self, chains: Mapping[str, Iterable[str]]) -> dict[str, TableOutline]:
+        """The rules of some built-in chains per table (where the jumps into ours are),
+        without the chain lists. nft: `iptables -S CHAIN` for each, which reads that chain
+        only (10 ms at 10,000 services, where the save of the two tables takes 14 s);
+        legacy: one save (the kernel hands over whole table blobs either way)."""
+        if self.flavour == "legacy":
+            return self.outlines(list(chains))
+        out: dict[str, TableOutline] = {}
+        for table, names_ in chains.items():
+            outline = out[table] = TableOutline()
+            for chain in sorted(set(names_)):
+                outline.builtin_rules.update(self.chain_rules(table, chain))
+        return out
+
+    def chain_rules(self, table: str, chain: str) -> list[str]:
+        """The '-A' lines of one chain (`iptables -t T -S CHAIN`); none if it is missing."""
+        return self._list_chain(table, chain) or []
+
+    def _list_chain(self, table: str, chain: str) -> list[str] | None:
+        """`iptables -t T -S CHAIN`: the chain's '-A' lines, or None when it does not exist."""
+        argv = [self.iptables_bin, *self.command_wait_flags(), "-t", table, "-S", chain]
+        proc = self._run(argv)
+        if proc.returncode == 0:
+            return [line.rstrip() for line in proc.stdout.splitlines() if line.startswith("-A ")]
+        if proc.returncode == 1 or "does not exist" in proc.stderr or "No chain" in proc.stderr:
+            return None
+        raise IptablesError(
+            f"{self.iptables_bin} -S {chain} failed with exit code {proc.returncode}: "
+            f"{proc.stderr.strip()}",
+            command=in_netns(argv, self.netns),
+            returncode=proc.returncode,
+            stderr=proc.stderr,
+        )
+
     def rules(self, table: str, chain: str | None = None) -> list[str]:
         """The '-A' lines of `table`, optionally of one chain, in order."""
         dump = parse_save(self.save(table)).get(table)
@@ -491,19 +525,7 @@ class IptablesBackend:
 
     def chain_exists(self, table: str, chain: str) -> bool:
         """Does the chain exist? (`iptables -t T -S CHAIN`: cheap, lists one chain.)"""
-        argv = [self.iptables_bin, *self.command_wait_flags(), "-t", table, "-S", chain]
-        proc = self._run(argv)
-        if proc.returncode == 0:
-            return True
-        if proc.returncode == 1 or "does not exist" in proc.stderr or "No chain" in proc.stderr:
-            return False
-        raise IptablesError(
-            f"{self.iptables_bin} -S {chain} failed with exit code {proc.returncode}: "
-            f"{proc.stderr.strip()}",
-            command=in_netns(argv, self.netns),
-            returncode=proc.returncode,
-            stderr=proc.stderr,
-        )
+        return self._list_chain(table, chain) is not None
 
     def _rule_command(self, op: str, table: str, spec: Sequence[str]) -> list[str]:
         if not spec:

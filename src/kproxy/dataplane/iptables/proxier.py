@@ -29,6 +29,7 @@ from kproxy.dataplane.iptables.backend import (
     IptablesError,
     RestoreError,
     TableOutline,
+    rule_chain,
 )
 from kproxy.dataplane.iptables.render import (
     JUMPS,
@@ -255,11 +256,16 @@ class IptablesDataplane:
         built-in chains (nat first, so DNAT moves as one step). Our chains stay until
         cleanup; established connections keep their conntrack translation."""
         lines: dict[str, list[str]] = {"nat": [], "filter": []}
+        jumps = self._jumps()
         try:
-            outlines = self.backend.outlines(("nat", "filter"))
+            # Only the built-in chains the jumps sit in (nft: 0.3 s instead of a 14 s save
+            # of both tables at 10,000 services).
+            outlines = self.backend.builtin_outlines(
+                {t: [rule_chain(f"-A {r}") for tt, _, r in jumps if tt == t] for t in lines}
+            )
         except IptablesError as err:
             raise SyncError(f"could not detach iptables mode: {err}") from err
-        for table, verb, rule in self._jumps():
+        for table, verb, rule in jumps:
             if verb == "-I" and self._present(table, rule, outlines):
                 lines[table].append(f"-D {rule}")
         text = "".join(f"*{t}\n" + "\n".join(ls) + "\nCOMMIT\n" for t, ls in lines.items() if ls)

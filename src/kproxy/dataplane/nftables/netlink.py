@@ -45,7 +45,10 @@ CLONE_NEWNET: Final = 0x40000000
 
 NFT_MSG_NEWTABLE: Final = 0
 NFT_MSG_GETTABLE: Final = 1
+NFT_MSG_NEWCHAIN: Final = 3
+NFT_MSG_GETCHAIN: Final = 4
 NFT_MSG_DELCHAIN: Final = 5
+NFT_MSG_DELRULE: Final = 8
 NFT_MSG_DELSET: Final = 11
 NFT_MSG_NEWSETELEM: Final = 12
 NFT_MSG_DELSETELEM: Final = 14
@@ -53,6 +56,8 @@ NFT_MSG_DELSETELEM: Final = 14
 NFTA_TABLE_NAME: Final = 1
 NFTA_CHAIN_TABLE: Final = 1
 NFTA_CHAIN_NAME: Final = 3
+NFTA_RULE_TABLE: Final = 1
+NFTA_RULE_CHAIN: Final = 2
 NFTA_SET_TABLE: Final = 1
 NFTA_SET_NAME: Final = 2
 NFTA_SET_ELEM_LIST_TABLE: Final = 1
@@ -144,6 +149,12 @@ class Op:
 def delete_chain(table: str, name: str) -> Op:
     payload = _string(NFTA_CHAIN_TABLE, table) + _string(NFTA_CHAIN_NAME, name)
     return Op(NFT_MSG_DELCHAIN, 0, payload, f"delete chain {table} {name}")
+
+
+def flush_chain(table: str, name: str) -> Op:
+    """DELRULE naming a chain and no rule: every rule of the chain goes."""
+    payload = _string(NFTA_RULE_TABLE, table) + _string(NFTA_RULE_CHAIN, name)
+    return Op(NFT_MSG_DELRULE, 0, payload, f"flush chain {table} {name}")
 
 
 def delete_set(table: str, name: str) -> Op:
@@ -267,7 +278,9 @@ class NftNetlink:
             seq = first + 1 + i
             seqs[seq] = i
             msg_type = (NFNL_SUBSYS_NFTABLES << 8) | op.msg_type
-            flags = NLM_F_REQUEST | NLM_F_ACK | op.flags
+            # Only the last message asks for an ACK: a failing one is answered anyway (with
+            # its error), and 2,000 ACKs cost 2,000 recv() calls (seconds at 10,000 services).
+            flags = NLM_F_REQUEST | op.flags | (NLM_F_ACK if i == len(ops) - 1 else 0)
             parts.append(self._header(msg_type, flags, len(op.payload), seq, self.family))
             parts.append(op.payload)
         end = first + 1 + len(ops)
@@ -276,7 +289,7 @@ class NftNetlink:
         )
         self._seq = end + 1
         sock.send(b"".join(parts))
-        pending = set(seqs)
+        pending = {end - 1}  # the ACK of the last message (or any error) ends the batch
         errors: list[tuple[int, int]] = []
         while pending:
             try:
@@ -309,10 +322,18 @@ class NftNetlink:
     def _tables(self, flags: int, family: int, payload: bytes = b"") -> Iterator[tuple[int, bytes]]:
         """Send one GETTABLE request; yield (nfgen family, attributes) of each table in the
         answer. Ends at the kernel's ACK or DONE; an error answer raises NetlinkError."""
+        return self._get(NFT_MSG_GETTABLE, NFT_MSG_NEWTABLE, flags, family, payload)
+
+    def _get(
+        self, request: int, answer: int, flags: int, family: int, payload: bytes = b""
+    ) -> Iterator[tuple[int, bytes]]:
+        """One GET request (a dump with NLM_F_DUMP); yield (nfgen family, attributes) of
+        each `answer` message until the kernel's ACK or DONE."""
         sock = self._socket()
         seq = self._seq
         self._seq += 1
-        msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE
+        msg_type = (NFNL_SUBSYS_NFTABLES << 8) | request
+        what = {NFT_MSG_GETTABLE: "get table", NFT_MSG_GETCHAIN: "get chain"}.get(request, "get")
         sock.send(self._header(msg_type, flags, len(payload), seq, family) + payload)
         while True:
             try:
@@ -329,10 +350,8 @@ class NftNetlink:
                         (code,) = struct.unpack_from("=i", data, offset + 16)
                         if code == 0:
                             return  # the ACK of a non-dump request
-                        raise NetlinkError(
-                            f"nf_tables: get table: {os.strerror(-code)}", errno_=-code
-                        )
-                    if kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
+                        raise NetlinkError(f"nf_tables: {what}: {os.strerror(-code)}", errno_=-code)
+                    if kind == (NFNL_SUBSYS_NFTABLES << 8) | answer:
                         yield data[offset + 16], data[offset + 20 : offset + length]
                 offset += max(length, 16) + (-length % 4)
 
@@ -355,6 +374,20 @@ class NftNetlink:
             name = _attr_string(attrs, 0, len(attrs), NFTA_TABLE_NAME)
             if name is not None:
                 found.append((family, name))
+        return found
+
+    def chains_by_table(self) -> dict[str, list[str]]:
+        """Every chain name of this client's family, per table, from one dump (names only:
+        110,000 chains of iptables-nft in ~1.3 s, where `iptables-nft-save` takes 14 s).
+        The kernel's chain dump does not filter by table, so one dump serves them all."""
+        found: dict[str, list[str]] = {}
+        for _, attrs in self._get(
+            NFT_MSG_GETCHAIN, NFT_MSG_NEWCHAIN, NLM_F_REQUEST | NLM_F_DUMP, self.family
+        ):
+            table = _attr_string(attrs, 0, len(attrs), NFTA_CHAIN_TABLE)
+            name = _attr_string(attrs, 0, len(attrs), NFTA_CHAIN_NAME)
+            if table is not None and name is not None:
+                found.setdefault(table, []).append(name)
         return found
 
 
