@@ -3,7 +3,9 @@
 list: the virtual servers kproxy programmed, with their schedulers, real servers, IPVS's
 own ActiveConn/InActConn (an open connection counts) and --stats counters; trace: the
 iptables layer in front (ipset matches, masquerade mark), the virtual server and scheduler,
-and the real servers it can pick, checked against where real connections went.
+and the real servers it can pick, checked against where real connections went. The CLI
+runs twice (`list --json`, `list --stats`); the other reads call what it prints, in this
+process, in the node's namespace (each CLI start costs seconds in UML).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kproxy.dataplane.ipvs import names as n
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from kproxy.leftovers import clean_leftovers
+from kproxy.ops import inspect as inspection
 from tests.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
@@ -34,6 +37,7 @@ ipvs: {minSyncPeriod: 100ms, syncPeriod: 30s}
 conntrack: {maxPerCore: 0}
 """
 PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
+Key = tuple[str, str, int]  # (proto, address, port) of a virtual server
 POD_NAMES = {f"pod{i + 1}": ip for i, ip in enumerate(PODS)}
 
 
@@ -41,6 +45,14 @@ POD_NAMES = {f"pod{i + 1}": ip for i, ip in enumerate(PODS)}
 class Env:
     lab: Lab
     proxy: ProxyProcess
+
+    def trace(self, src: str, to: str) -> dict[str, Any]:
+        """What `kproxy trace --from src --to IP:PORT --json` prints (in this process)."""
+        ip, _, port = to.rpartition(":")
+        data: dict[str, Any] = json.loads(
+            inspection.trace(src, ip, int(port), "tcp", netns=self.lab.node_ns).to_json()
+        )
+        return data
 
     def kproxy(self, *argv: str) -> dict[str, Any]:
         proc = self.lab.exec(
@@ -50,8 +62,14 @@ class Env:
         data: dict[str, Any] = json.loads(proc.stdout)
         return data
 
-    def listing(self, *extra: str) -> dict[tuple[str, str, int], dict[str, Any]]:
-        out = self.kproxy("list", *extra)
+    def listing(self, *, stats: bool = False, cli: bool = False) -> dict[Key, dict[str, Any]]:
+        """`kproxy list --json [--stats]` by virtual server: what the CLI prints (cli=True:
+        run it), or the same function's JSON in this process (each CLI run costs seconds
+        of start-up in UML; the CLI itself runs in two of the tests)."""
+        if cli:
+            out = self.kproxy("list", *(["--stats"] if stats else []))
+        else:
+            out = json.loads(inspection.list_services(self.lab.node_ns, stats=stats).to_json())
         planes = out["dataplanes"]
         assert [d["dataplane"] for d in planes] == ["ipvs"], out
         assert planes[0]["live"], planes[0]
@@ -100,7 +118,7 @@ def endpoints(vs: dict[str, Any]) -> set[str]:
 
 
 def test_list_shows_the_virtual_servers_with_schedulers_and_real_servers(env: Env) -> None:
-    servers = env.listing()
+    servers = env.listing(cli=True)
     web = servers[("tcp", "10.96.0.10", 80)]
     assert web["scheduler"] == "rr" and web["kind"] == "ClusterIP"
     assert endpoints(web) == {f"{ip}:8080" for ip in PODS}
@@ -117,12 +135,12 @@ def test_list_shows_the_virtual_servers_with_schedulers_and_real_servers(env: En
 
 def test_active_conn_counts_an_open_connection_and_stats_count_traffic(env: Env) -> None:
     agent = env.lab.agent(env.lab.client_ns[0])
-    before = env.listing("--stats")[("tcp", "10.96.0.10", 80)]
+    before = env.listing(stats=True)[("tcp", "10.96.0.10", 80)]
     stream = agent.open_stream(dst="10.96.0.10", port=80, timeout=2.0)
     assert agent.stream_ping(stream, timeout=2.0).ok
     results = agent.request_many("tcp", "10.96.0.10", 80, 6, timeout=2.0)
     assert all(r.ok for r in results), [r.error for r in results]
-    web = env.listing("--stats")[("tcp", "10.96.0.10", 80)]
+    web = env.listing(stats=True)[("tcp", "10.96.0.10", 80)]
     assert sum(e["active_conns"] for e in web["endpoints"]) == 1, web["endpoints"]
     assert sum(e["inactive_conns"] for e in web["endpoints"]) >= 6, web["endpoints"]
     conns = web["ipvs_stats"]["conns"] - before["ipvs_stats"]["conns"]
@@ -139,7 +157,7 @@ def test_active_conn_counts_an_open_connection_and_stats_count_traffic(env: Env)
 def test_trace_predicts_where_real_connections_go(env: Env) -> None:
     client = env.lab.client_ns[0]
     src = "10.100.0.2"
-    out = env.kproxy("trace", "--from", src, "--to", "10.96.0.10:80")
+    out = env.trace(src, "10.96.0.10:80")
     (plane,) = out["dataplanes"]
     assert plane["dataplane"] == "ipvs"
     outcomes = plane["outcomes"]
@@ -160,7 +178,7 @@ def test_trace_predicts_where_real_connections_go(env: Env) -> None:
     assert {r.peer for r in results} != {src}
 
     # sh: one real server per client, and it is one of the two predicted.
-    db = env.kproxy("trace", "--from", src, "--to", "10.96.0.20:80")["dataplanes"][0]
+    db = env.trace(src, "10.96.0.20:80")["dataplanes"][0]
     db_predicted = {o["dnat"] for o in db["outcomes"]}
     assert db_predicted == {f"{ip}:8080" for ip in PODS[:2]}
     hits = {
@@ -170,7 +188,7 @@ def test_trace_predicts_where_real_connections_go(env: Env) -> None:
     assert len(hits) == 1 and hits <= db_predicted
 
     # No virtual server: the trace says so and a real connection is not answered by a pod.
-    none = env.kproxy("trace", "--from", src, "--to", "10.96.0.99:80")["dataplanes"][0]
+    none = env.trace(src, "10.96.0.99:80")["dataplanes"][0]
     assert [o["verdict"] for o in none["outcomes"]] != ["DNAT"]
 
 

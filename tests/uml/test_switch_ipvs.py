@@ -219,10 +219,11 @@ def run_switches(
     """From `first`, switch to each target under load; after each switch wait (10 s at
     most) until the node is `settled` for that report."""
     lab, proxy = where.lab, where.serving(first)
+    # The streams are open once start() returns; the switch's first steps take seconds,
+    # with the rest of the load in the old mode.
     load = LoadHarness(lab, tcp=WEB, udp=DNS).start()
     reports: list[dict[str, Any]] = []
     try:
-        time.sleep(0.5)
         for to in targets:
             began = load._now()
             report = switch(proxy, to)
@@ -231,17 +232,20 @@ def run_switches(
             reports.append(report)
             # Out of ipvs, a virtual server busy with a request in flight drains for a
             # moment (reaped every 2 s).
+            t0 = time.monotonic()
             assert wait_for(lambda: settled(lab, report), 10), (  # noqa: B023
                 report["to_mode"],
                 live_modes(lab),
                 leftovers(lab),
                 leftovers(lab, "userspace"),
             )
+            report["_settled"] = round(time.monotonic() - t0, 2)
             time.sleep(0.5)
     finally:
         result = load.stop()
     durations = "; ".join(
-        f"{r['from_mode']}->{r['to_mode']} {r['duration']:.2f} s in {r['_window']} ("
+        f"{r['from_mode']}->{r['to_mode']} {r['duration']:.2f} s in {r['_window']}, settled"
+        f" in {r['_settled']} s ("
         + ", ".join(f"{s['name']} {s['seconds']:.2f}" for s in r["steps"])
         + ")"
         for r in reports
@@ -331,7 +335,6 @@ def test_ipvs_to_iptables_keeps_connections_ipvs_set_up(switch_node: Node) -> No
     lab, proxy = switch_node.lab, switch_node.serving("ipvs")
     load = LoadHarness(lab, tcp=WEB, udp=DNS).start()
     try:
-        time.sleep(0.5)
         report = switch(proxy, "iptables")
         assert report.get("ok"), (report, proxy.log_tail(30))
         assert [s["name"] for s in report["steps"]][: len(STEPS)] == STEPS, report["steps"]
