@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -140,7 +141,15 @@ def test_active_conn_counts_an_open_connection_and_stats_count_traffic(env: Env)
     assert agent.stream_ping(stream, timeout=2.0).ok
     results = agent.request_many("tcp", "10.96.0.10", 80, 6, timeout=2.0)
     assert all(r.ok for r in results), [r.error for r in results]
-    web = env.listing(stats=True)[("tcp", "10.96.0.10", 80)]
+    # IPVS's counters are summed from per-CPU ones every 2 s (its rate estimator): read
+    # until they show the 7 connections, at most 6 s.
+    deadline = time.monotonic() + 6
+    while True:
+        web = env.listing(stats=True)[("tcp", "10.96.0.10", 80)]
+        counted = web["ipvs_stats"]["conns"] - before["ipvs_stats"]["conns"]
+        if counted >= 7 or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     assert sum(e["active_conns"] for e in web["endpoints"]) == 1, web["endpoints"]
     assert sum(e["inactive_conns"] for e in web["endpoints"]) >= 6, web["endpoints"]
     conns = web["ipvs_stats"]["conns"] - before["ipvs_stats"]["conns"]
