@@ -32,6 +32,7 @@ from kproxy.dataplane.iptables.backend import (
     IptablesError,
     RestoreError,
     in_netns,
+    rule_spec,
     run_command,
 )
 from kproxy.dataplane.userspace import render
@@ -46,6 +47,7 @@ from kproxy.dataplane.userspace.control import (
 from kproxy.dataplane.userspace.render import (
     CANARY_CHAIN,
     CHAINS,
+    HANDOFF_RULE,
     JUMPS,
     ROUTE_TABLE,
     RULE_PRIORITY,
@@ -394,8 +396,11 @@ class UserspaceDataplane:
             self.backend.restore(cleanup_input(ipt))
         # Between the rules and the workers: nothing new is redirected any more, and the
         # workers still answer until the flows have left them.
+        handed_off = self._start_handoff()
         self._forget_datagram_flows()
         self.workers.stop_all()
+        if handed_off:
+            self._end_handoff()
         if any(o.kind == "ip-rule" for o in owned):
             self._ip("rule", "del", "pref", str(RULE_PRIORITY))
         if any(o.kind == "ip-route" for o in owned):
@@ -409,6 +414,33 @@ class UserspaceDataplane:
     def close(self) -> None:
         """Release the controller lock (the workers keep running)."""
         self.workers.release()
+
+    def _start_handoff(self) -> bool:
+        """Before the UDP flows' conntrack entries go: the workers send their replies from
+        the service address, untracked (udp.py), so a reply in flight when an entry goes is
+        not lost. True if the raw-table rule that leaves them untracked was added."""
+        table = self._table or {}
+        if not any(lst.get("protocol") == "udp" for lst in table.get("listeners", [])):
+            return False
+        if not self.workers.workers():
+            return False
+        try:
+            self.backend.restore(f"*raw\n-I {HANDOFF_RULE}\nCOMMIT\n")
+        except IptablesError as err:
+            log.warning("cannot hand UDP flows over (%s): a reply in flight may be lost", err)
+            return False
+        try:
+            generation = self.workers.write_table({**table, "udp_handoff": True})
+            self.workers.wait_applied(generation, self.ack_timeout)
+        except (ControlError, OSError) as err:
+            log.warning("userspace workers did not take the UDP hand-off: %s", err)
+        return True
+
+    def _end_handoff(self) -> None:
+        try:
+            self.backend.delete_rule("raw", rule_spec(HANDOFF_RULE))
+        except IptablesError as err:
+            log.warning("cannot remove the UDP hand-off rule from raw OUTPUT: %s", err)
 
     def _forget_datagram_flows(self) -> None:
         """Delete the conntrack entries of UDP flows redirected to the workers.

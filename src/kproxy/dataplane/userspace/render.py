@@ -57,6 +57,14 @@ TABLE_ORDER = ("filter", "nat", "mangle")
 TPROXY_MARK = 0x00002000
 ROUTE_TABLE = 2900
 RULE_PRIORITY = 2900
+# SO_MARK of the UDP replies workers send while their flows are handed to the next mode
+# (proxier.py); a raw-table rule keeps them out of conntrack.
+HANDOFF_MARK = 0x00001000
+HANDOFF_RULE = (
+    f"OUTPUT -p udp -m mark --mark {HANDOFF_MARK:#x}/{HANDOFF_MARK:#x}"
+    ' -m comment --comment "kproxy userspace: UDP replies of flows handed to the next mode"'
+    " -j CT --notrack"
+)
 
 DEFAULT_PORT_RANGE = (20000, 29999)
 

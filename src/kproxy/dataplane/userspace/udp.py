@@ -10,6 +10,14 @@ ICMP error (the next datagram then picks the next endpoint).
 
 Backpressure: UDP has none to give; a datagram that cannot be sent at once is dropped (and
 counted), so no queue builds up. Sessions are capped per worker.
+
+Hand-off (the mode is leaving, proxier.py): a client keeping its address stays one conntrack
+entry, which the controller deletes so its next datagram takes the next mode's path. A reply
+relayed after that would leave untranslated and be lost, so from the hand-off on replies go
+from the service address itself (a transparent socket bound to the listener's destination,
+marked so the raw table leaves them untracked): they need no conntrack entry. On shutdown
+the datagrams still queued on a listener are forwarded and the replies they wait for relayed
+(within the idle timeout) before the sessions close.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from kproxy.dataplane.userspace.balancer import Addr, Balancer
+from kproxy.dataplane.userspace.render import HANDOFF_MARK
 from kproxy.dataplane.userspace.tcp import IP_TRANSPARENT
 
 log = logging.getLogger("kproxy.userspace.udp")
@@ -46,7 +55,17 @@ class UdpStats:
 
 
 class UdpSession:
-    __slots__ = ("bsock", "client", "endpoint", "key", "last", "listener", "pktinfo")
+    __slots__ = (
+        "answered",
+        "bsock",
+        "client",
+        "endpoint",
+        "key",
+        "last",
+        "listener",
+        "pktinfo",
+        "sent",
+    )
 
     def __init__(
         self,
@@ -64,11 +83,14 @@ class UdpSession:
         self.bsock = bsock
         self.pktinfo = pktinfo
         self.last = time.monotonic()
+        self.sent = 0.0  # when the last datagram went to the endpoint
+        self.answered = 0.0  # when the last reply went to the client
 
     def on_reply(self) -> None:
         engine = self.listener.engine
         lsock = self.listener.sock
         anc = [(socket.SOL_IP, IP_PKTINFO, self.pktinfo)]
+        handoff = engine.handoff_socket(self.key)
         for _ in range(BATCH):
             try:
                 data = self.bsock.recv(MAX_DATAGRAM)
@@ -78,9 +100,12 @@ class UdpSession:
                 # ICMP error for an earlier datagram (endpoint gone): start over elsewhere.
                 engine.close_session(self)
                 return
-            self.last = time.monotonic()
+            self.last = self.answered = time.monotonic()
             try:
-                lsock.sendmsg([data], anc, 0, self.client)
+                if handoff is not None:
+                    handoff.sendto(data, self.client)
+                else:
+                    lsock.sendmsg([data], anc, 0, self.client)
                 engine.stats.replies += 1
             except OSError:
                 engine.stats.dropped += 1
@@ -112,7 +137,7 @@ class UdpListener:
                 if session is None:
                     stats.dropped += 1
                     continue
-            session.last = time.monotonic()
+            session.last = session.sent = time.monotonic()
             try:
                 session.bsock.send(data)
             except (BlockingIOError, InterruptedError):
@@ -148,6 +173,8 @@ class UdpEngine:
         self.listeners: dict[str, UdpListener] = {}
         self.sessions: dict[tuple[str, Addr], UdpSession] = {}
         self._capped_logged = False
+        self.handoff = False  # set by the table while the controller hands the flows over
+        self._handoff_socks: dict[str, socket.socket | None] = {}
 
     def add_listener(self, key: str, sock: socket.socket) -> None:
         lst = UdpListener(self, key, sock)
@@ -232,8 +259,56 @@ class UdpEngine:
             if session.endpoint not in eps:
                 self.close_session(session)
 
+    def handoff_socket(self, key: str) -> socket.socket | None:
+        """During a hand-off: the socket replies of listener `key` go from (bound to its one
+        destination, transparent, marked); None otherwise, or when the listener has several
+        destinations (external ones): those replies keep the listener's path."""
+        if not self.handoff:
+            return None
+        if key in self._handoff_socks:
+            return self._handoff_socks[key]
+        sock = None
+        state = self.balancer.listeners.get(key)
+        dests = state.listener.destinations if state is not None else ()
+        ip, sep, port = dests[0].rpartition(":") if len(dests) == 1 else ("", "", "")
+        if sep and port.isdigit():
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+            try:
+                sock.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, HANDOFF_MARK)
+                sock.bind((ip, int(port)))
+            except OSError as exc:
+                log.warning(
+                    "cannot send the hand-off replies of %s from %s: %s", key, dests[0], exc
+                )
+                sock.close()
+                sock = None
+        self._handoff_socks[key] = sock
+        return sock
+
+    def drain_listeners(self) -> None:
+        """Forward what is queued on the listeners, then close them; sessions stay open."""
+        for key, lst in list(self.listeners.items()):
+            lst.on_datagram()
+            with contextlib.suppress(ValueError, OSError):
+                self.loop.remove_reader(lst.sock.fileno())
+            lst.sock.close()
+            del self.listeners[key]
+
+    def awaiting(self, now: float) -> bool:
+        """A session forwarded a datagram whose reply has not come yet (within the idle
+        timeout: a later reply would find no session anyway)."""
+        return any(
+            s.sent > s.answered and now - s.sent < self.idle_timeout for s in self.sessions.values()
+        )
+
     def close_all(self) -> None:
         for session in list(self.sessions.values()):
             self.close_session(session)
         for key in list(self.listeners):
             self.remove_listener(key)
+        for sock in self._handoff_socks.values():
+            if sock is not None:
+                sock.close()
+        self._handoff_socks.clear()

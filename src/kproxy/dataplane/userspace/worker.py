@@ -248,10 +248,14 @@ class Worker:
     async def shutdown(self) -> None:
         assert self.tcp is not None and self.udp is not None
         self.tcp.close_listeners()
-        self.udp.close_all()
+        # What reached a UDP listener before the mode left is still answered (udp.py).
+        self.udp.drain_listeners()
         deadline = time.monotonic() + (DRAIN_GRACE if self.drain else 0.0)
-        while self.tcp.conns and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        while time.monotonic() < deadline and (
+            self.tcp.conns or self.udp.awaiting(time.monotonic())
+        ):
+            await asyncio.sleep(0.02)
+        self.udp.close_all()
         self.tcp.abort_all()
         for path in (self.status_path, self.report_path):
             with contextlib.suppress(OSError):
@@ -285,6 +289,7 @@ class Worker:
             self.stop("the table says this worker is not needed")
             return
         listeners = [Listener.from_json(item) for item in table.get("listeners", ())]
+        self.udp.handoff = bool(table.get("udp_handoff"))
         self.balancer.configure(
             listeners,
             local_cidrs=table.get("local_cidrs"),
