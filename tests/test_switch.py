@@ -161,3 +161,29 @@ def test_unknown_or_same_mode_is_refused() -> None:
     assert "already in" in (
         switcher.switch(Plane("iptables", []), SNAP, "iptables", timeout=5)[0].error or ""
     )
+
+
+def test_an_unexpected_error_before_cut_over_rolls_back_too(tmp_path: Path) -> None:
+    """userspace at 10,000 services: more listeners than its port range (a ValueError)."""
+    calls: list[str] = []
+
+    class Unfit(Plane):
+        def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult:
+            raise ValueError("10001 listeners do not fit into the proxy port range 20000-29999")
+
+    switcher = ModeSwitcher(
+        make_dataplane=lambda mode: Unfit(mode, calls),
+        state_dir=None,
+        prober=lambda ip, p: None,
+        snapshotter=lambda: PROGRAMMED,
+        plane_reader=lambda plane: services(PROGRAMMED).get(plane, {}),
+    )
+    old = Plane("iptables", calls)
+    report, now = switcher.switch(old, SNAP, "userspace", timeout=30)
+    assert not report.ok and now is old
+    assert (
+        report.error
+        == "ValueError: 10001 listeners do not fit into the proxy port range 20000-29999"
+    )
+    assert calls == ["userspace.cleanup"], "the new mode removed, the old one never detached"
+    assert report.from_mode == "iptables" and report.steps[-1].name == "roll-back"

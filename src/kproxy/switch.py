@@ -195,8 +195,11 @@ class ModeSwitcher:
             step("anchor", lambda: f"conntrack anchor ({anchor.install()})")
             step("program", lambda: self._program(new, snapshot))
             step("verify", lambda: self._verify(new, snapshot))
-        except (SwitchFailed, SyncError, DataplaneUnavailable) as err:
-            report.error = str(err)
+        except Exception as err:
+            # Anything before the cut-over, expected or not (a mode that cannot take the
+            # snapshot raises ValueError, say): the old mode stays, the new one goes.
+            expected = isinstance(err, SwitchFailed | SyncError | DataplaneUnavailable)
+            report.error = str(err) if expected else f"{type(err).__name__}: {err}"
             self._roll_back(new, snapshot, report)
             anchor.remove()
             report.duration = round(time.monotonic() - started, 4)
