@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kproxy.dataplane.base import SyncResult
@@ -61,6 +62,26 @@ def programmed(*ips: str) -> dict:
 PROGRAMMED = programmed("10.96.0.10", "10.99.0.10")
 
 
+def switcher_for(
+    calls: list[str],
+    *,
+    state_dir: Path | None = None,
+    programmed: dict | None = None,
+    prober: Callable[[str, int], str | None] = lambda ip, p: None,
+    snapshotter: Callable[[], dict[str, object]] | None = None,
+    plane: type[Plane] = Plane,
+) -> ModeSwitcher:
+    """A switcher over fake planes whose kernel state is `programmed` (PROGRAMMED)."""
+    kernel = PROGRAMMED if programmed is None else programmed
+    return ModeSwitcher(
+        make_dataplane=lambda mode: plane(mode, calls),
+        state_dir=state_dir,
+        prober=prober,
+        snapshotter=snapshotter or (lambda: kernel),
+        plane_reader=lambda name: services(kernel).get(name, {}),
+    )
+
+
 def test_expected_destinations_skip_services_without_endpoints() -> None:
     assert {str(k) for k in expected_destinations(SNAP)} == {
         "tcp 10.96.0.10:80",
@@ -70,13 +91,7 @@ def test_expected_destinations_skip_services_without_endpoints() -> None:
 
 def test_make_before_break_order(tmp_path: Path) -> None:
     calls: list[str] = []
-    switcher = ModeSwitcher(
-        make_dataplane=lambda mode: Plane(mode, calls),
-        state_dir=tmp_path,
-        prober=lambda ip, p: None,
-        snapshotter=lambda: PROGRAMMED,
-        plane_reader=lambda plane: services(PROGRAMMED).get(plane, {}),
-    )
+    switcher = switcher_for(calls, state_dir=tmp_path)
     report, now = switcher.switch(Plane("iptables", calls), SNAP, "nftables", timeout=30)
     assert report.ok, report.error
     assert now.mode == "nftables"
@@ -93,13 +108,7 @@ def test_a_fresh_preflight_backup_is_the_before_record(tmp_path: Path) -> None:
         taken.append(1)
         return PROGRAMMED
 
-    switcher = ModeSwitcher(
-        make_dataplane=lambda mode: Plane(mode, calls),
-        state_dir=tmp_path,
-        prober=lambda ip, p: None,
-        snapshotter=snapshotter,
-        plane_reader=lambda plane: services(PROGRAMMED).get(plane, {}),
-    )
+    switcher = switcher_for(calls, state_dir=tmp_path, snapshotter=snapshotter)
     backup = tmp_path / "preflight-backup.json"
     backup.write_text("{}")
     report, _ = switcher.switch(
@@ -123,13 +132,7 @@ def test_a_fresh_preflight_backup_is_the_before_record(tmp_path: Path) -> None:
 def test_verification_failure_rolls_back_and_keeps_the_old_mode(tmp_path: Path) -> None:
     calls: list[str] = []
     missing_one = programmed("10.96.0.10")
-    switcher = ModeSwitcher(
-        make_dataplane=lambda mode: Plane(mode, calls),
-        state_dir=None,
-        prober=lambda ip, p: None,
-        snapshotter=lambda: missing_one,
-        plane_reader=lambda plane: services(missing_one).get(plane, {}),
-    )
+    switcher = switcher_for(calls, programmed=missing_one)
     old = Plane("iptables", calls)
     report, now = switcher.switch(old, SNAP, "nftables", timeout=30)
     assert not report.ok and now is old
@@ -141,13 +144,7 @@ def test_verification_failure_rolls_back_and_keeps_the_old_mode(tmp_path: Path) 
 
 def test_probe_failure_rolls_back(tmp_path: Path) -> None:
     calls: list[str] = []
-    switcher = ModeSwitcher(
-        make_dataplane=lambda mode: Plane(mode, calls),
-        state_dir=None,
-        prober=lambda ip, p: f"{ip}:{p}: timed out",
-        snapshotter=lambda: PROGRAMMED,
-        plane_reader=lambda plane: services(PROGRAMMED).get(plane, {}),
-    )
+    switcher = switcher_for(calls, prober=lambda ip, p: f"{ip}:{p}: timed out")
     report, _ = switcher.switch(Plane("iptables", calls), SNAP, "nftables", timeout=30)
     assert not report.ok and "self-probe failed for 1 of 1" in (report.error or "")
     assert "iptables.detach" not in calls
@@ -171,13 +168,7 @@ def test_an_unexpected_error_before_cut_over_rolls_back_too(tmp_path: Path) -> N
         def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult:
             raise ValueError("10001 listeners do not fit into the proxy port range 20000-29999")
 
-    switcher = ModeSwitcher(
-        make_dataplane=lambda mode: Unfit(mode, calls),
-        state_dir=None,
-        prober=lambda ip, p: None,
-        snapshotter=lambda: PROGRAMMED,
-        plane_reader=lambda plane: services(PROGRAMMED).get(plane, {}),
-    )
+    switcher = switcher_for(calls, plane=Unfit)
     old = Plane("iptables", calls)
     report, now = switcher.switch(old, SNAP, "userspace", timeout=30)
     assert not report.ok and now is old
