@@ -363,6 +363,17 @@ class IptablesBackend:
     ) -> subprocess.CompletedProcess[str]:
         return self._runner(in_netns(argv, self.netns), input_data)
 
+    def _failed(
+        self, what: str, argv: Sequence[str], proc: subprocess.CompletedProcess[str]
+    ) -> IptablesError:
+        """The error of a tool call that failed: what ran, its exit code and stderr."""
+        return IptablesError(
+            f"{what} failed with exit code {proc.returncode}: {proc.stderr.strip()}",
+            command=in_netns(argv, self.netns),
+            returncode=proc.returncode,
+            stderr=proc.stderr,
+        )
+
     # -- features ---------------------------------------------------------------------------
 
     def version(self) -> Version:
@@ -447,12 +458,7 @@ class IptablesBackend:
             argv = [self.save_bin, "-t", table]
         proc = self._run(argv)
         if proc.returncode != 0:
-            raise IptablesError(
-                f"{self.save_bin} failed with exit code {proc.returncode}: {proc.stderr.strip()}",
-                command=in_netns(argv, self.netns),
-                returncode=proc.returncode,
-                stderr=proc.stderr,
-            )
+            raise self._failed(self.save_bin, argv, proc)
         if table is None or self.flavour != "legacy":
             return proc.stdout
         return _slice_table(proc.stdout, table)
@@ -489,14 +495,10 @@ class IptablesBackend:
         for table, names_ in chains.items():
             outline = out[table] = TableOutline()
             for chain in sorted(set(names_)):
-                outline.builtin_rules.update(self.chain_rules(table, chain))
+                outline.builtin_rules.update(self.list_chain(table, chain) or ())
         return out
 
-    def chain_rules(self, table: str, chain: str) -> list[str]:
-        """The '-A' lines of one chain (`iptables -t T -S CHAIN`); none if it is missing."""
-        return self._list_chain(table, chain) or []
-
-    def _list_chain(self, table: str, chain: str) -> list[str] | None:
+    def list_chain(self, table: str, chain: str) -> list[str] | None:
         """`iptables -t T -S CHAIN`: the chain's '-A' lines, or None when it does not exist."""
         argv = [self.iptables_bin, *self.command_wait_flags(), "-t", table, "-S", chain]
         proc = self._run(argv)
@@ -504,13 +506,7 @@ class IptablesBackend:
             return [line.rstrip() for line in proc.stdout.splitlines() if line.startswith("-A ")]
         if proc.returncode == 1 or "does not exist" in proc.stderr or "No chain" in proc.stderr:
             return None
-        raise IptablesError(
-            f"{self.iptables_bin} -S {chain} failed with exit code {proc.returncode}: "
-            f"{proc.stderr.strip()}",
-            command=in_netns(argv, self.netns),
-            returncode=proc.returncode,
-            stderr=proc.stderr,
-        )
+        raise self._failed(f"{self.iptables_bin} -S {chain}", argv, proc)
 
     def rules(self, table: str, chain: str | None = None) -> list[str]:
         """The '-A' lines of `table`, optionally of one chain, in order."""
@@ -525,7 +521,7 @@ class IptablesBackend:
 
     def chain_exists(self, table: str, chain: str) -> bool:
         """Does the chain exist? (`iptables -t T -S CHAIN`: cheap, lists one chain.)"""
-        return self._list_chain(table, chain) is not None
+        return self.list_chain(table, chain) is not None
 
     def _rule_command(self, op: str, table: str, spec: Sequence[str]) -> list[str]:
         if not spec:
@@ -543,13 +539,7 @@ class IptablesBackend:
         missing_target = "does not exist" in proc.stderr or "Couldn't load target" in proc.stderr
         if proc.returncode == 1 or (proc.returncode == 2 and missing_target):
             return False
-        raise IptablesError(
-            f"{self.iptables_bin} -C failed with exit code {proc.returncode}: "
-            f"{proc.stderr.strip()}",
-            command=in_netns(argv, self.netns),
-            returncode=proc.returncode,
-            stderr=proc.stderr,
-        )
+        raise self._failed(f"{self.iptables_bin} -C", argv, proc)
 
     def rule_present(self, table: str, rule: str, outline: TableOutline | None = None) -> bool:
         """Is `rule` ('CHAIN spec...', as after '-A') in place? Found as text in a built-in
@@ -567,13 +557,7 @@ class IptablesBackend:
         argv = self._rule_command("-D", table, spec)
         proc = self._run(argv)
         if proc.returncode != 0:
-            raise IptablesError(
-                f"{self.iptables_bin} -D failed with exit code {proc.returncode}: "
-                f"{proc.stderr.strip()}",
-                command=in_netns(argv, self.netns),
-                returncode=proc.returncode,
-                stderr=proc.stderr,
-            )
+            raise self._failed(f"{self.iptables_bin} -D", argv, proc)
         return True
 
 
