@@ -2,11 +2,10 @@
 
 Run as `python -m bench.membreak --source DIR --config FILE [--trace]` (bench.run starts
 it in a subprocess so every measurement starts from a clean interpreter). Stages follow
-what `kproxy run` holds after its first sync: the file source (raw objects kept for
-diffing), the initial event batch (deep copies, dropped after use), the ChangeTracker
-(parsed objects), the snapshot (ServicePorts), and one full sync (renderer cache, applied
-state, last plan). The sync goes to a backend whose runner answers like iptables without
-running anything, so no kernel is involved.
+what `kproxy run` holds after its first sync: the file source (object digests kept for
+diffing) feeding the ChangeTracker (parsed objects), the snapshot (ServicePorts), and one
+full sync (renderer cache, applied state). The sync goes to a backend whose
+runner answers like iptables without running anything, so no kernel is involved.
 
 Without --trace: VmRSS after each stage. With --trace: tracemalloc current/peak after each
 stage, plus the biggest allocation sites still alive at the end.
@@ -15,8 +14,6 @@ stage, plus the biggest allocation sites still alive at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import gc
 import json
 import subprocess
@@ -40,11 +37,6 @@ def _hwm_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _malloc_trim() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _fake_runner(argv: Sequence[str], input_data: str | None) -> subprocess.CompletedProcess[str]:
@@ -80,33 +72,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     from kproxy.daemon import Daemon  # noqa: F401
     from kproxy.dataplane.iptables.backend import IptablesBackend
     from kproxy.dataplane.iptables.proxier import IptablesDataplane
+    from kproxy.memory import release_free_heap
     from kproxy.model.snapshot import ChangeTracker
-    from kproxy.sources.base import ObjectEvent
     from kproxy.sources.files import FileSource
 
     if args.trace:
         tracemalloc.start(1)
     mark("imports")
-    batch: list[ObjectEvent] = []
-    source = FileSource(args.source)
-    source.start(batch.extend)
-    source.stop()
-    mark("file source + initial event batch")
+    # As in the daemon, the source hands its batches straight to the change tracker.
     tracker = ChangeTracker(workload.NODE_NAME)
-    tracker.apply(batch)
-    mark("+ change tracker (parsed objects)")
-    batch.clear()
-    mark("- initial event batch dropped")
+    source = FileSource(args.source)
+    source.start(tracker.apply)
+    source.stop()
+    mark("file source + change tracker (parsed objects)")
     snapshot = tracker.snapshot()
     mark("+ snapshot (ServicePorts)")
     options = rule_options(load_config(args.config))
     backend = IptablesBackend(args.flavour, runner=_fake_runner)
     dp = IptablesDataplane(backend, workload.facts(), options)
     dp.sync(snapshot, full=True)
-    mark("+ full sync (renderer cache, applied state, last plan)")
-    dp.last_plan = None
-    mark("- last plan dropped")
-    _malloc_trim()
+    mark("+ full sync (renderer cache, applied state)")
+    trim_seconds = release_free_heap()
     mark("after malloc_trim(0) (freed heap returned to the OS)")
 
     top: list[dict[str, Any]] = []
@@ -124,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 }
             )
     keep = (source, tracker, snapshot, dp)  # alive until here on purpose
-    print(json.dumps({"stages": stages, "top_sites": top, "hwm_mb": _hwm_mb(), "alive": len(keep)}))
+    out = {"stages": stages, "top_sites": top, "hwm_mb": _hwm_mb(), "alive": len(keep)}
+    print(json.dumps({**out, "trim_seconds": trim_seconds}))
 
 
 def _short(filename: str) -> str:

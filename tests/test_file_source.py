@@ -560,3 +560,29 @@ def test_shadowed_duplicate_comes_back_when_the_winner_goes(tmp_path: Path) -> N
     assert src._poll() == []
     (event,) = src._poll()
     assert event.obj is not None and event.obj["spec"]["ports"][0]["port"] == 80
+
+
+def test_large_initial_read_arrives_in_batches_before_start_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kproxy.sources.files.INITIAL_CHUNK_FILES", 4)
+    for i in range(10):
+        write(tmp_path / f"s{i:02}.yaml", svc(f"s{i}"))
+    # The same key in the first and the last file: the last file's version must win.
+    write(tmp_path / "a0.yaml", svc("s9", port=81))
+    write(tmp_path / "z9.yaml", svc("s9", port=99))
+    src = FileSource(tmp_path, poll_interval=POLL)
+    rec = Recorder()
+    src.start(rec)
+    try:
+        assert src.synced
+        # 12 files in 3 batches; in the last one s09.yaml and z9.yaml give one event for s9.
+        assert [len(b) for b in rec.batches] == [4, 4, 3]
+        final: dict[ObjectKey, Any] = {}
+        for batch in rec.batches:
+            final.update(by_key(batch))
+        assert set(final) == {skey(f"s{i}") for i in range(10)}
+        assert final[skey("s9")]["spec"]["ports"][0]["port"] == 99
+        rec.quiet_for(4 * POLL)
+    finally:
+        src.stop()

@@ -15,7 +15,7 @@ from kproxy.dataplane.iptables.proxier import IptablesDataplane
 from kproxy.model.objects import ServicePortName
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.sources.base import ObjectEvent, ObjectKey
-from tests.objects import endpoint, endpoint_slice, port, service
+from tests.objects import endpoint, endpoint_slice, node, port, service
 
 
 class FakeBackend:
@@ -146,7 +146,7 @@ def test_first_sync_is_full_and_inserts_missing_jumps_once(
         '-I PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES' in first
     )
     assert "-A INPUT -j KUBE-FIREWALL" in first
-    backend.checks = 0
+    assert backend.checks == 0, "no rule in the built-in chains jumps to ours: nothing to -C"
     plane.sync(t.snapshot(), full=True)
     assert "-I " not in backend.restores[-1], "jumps already in place are not added again"
     assert backend.checks == 0, "jumps found in the save need no iptables -C"
@@ -161,7 +161,10 @@ def test_a_jump_that_prints_differently_is_confirmed_by_check_not_duplicated(
     real_outlines = backend.outlines
     # An older iptables printed the jumps in another form: the text search misses them all.
     backend.outlines = lambda tables: {  # type: ignore[method-assign]
-        k: TableOutline(chains=v.chains) for k, v in real_outlines(tables).items()
+        k: TableOutline(
+            chains=v.chains, builtin_rules={r.replace('"', "'") for r in v.builtin_rules}
+        )
+        for k, v in real_outlines(tables).items()
     }
     backend.checks = 0
     plane.sync(t.snapshot(), full=True)
@@ -271,3 +274,39 @@ def test_detach_removes_every_jump_in_one_restore_nat_first(
         in deleted
     )
     assert not any("KUBE-FIREWALL" in line for line in deleted), "kubelet's jumps stay"
+
+
+def test_partial_sync_deletes_the_chains_of_a_removed_service(
+    dp: tuple[IptablesDataplane, FakeBackend],
+) -> None:
+    plane, backend = dp
+    t = tracker_with(*svc(1), *svc(2))
+    plane.sync(t.snapshot(), full=True)
+    s2 = names.port_proto_hash(ServicePortName("default", "s2", "http"))
+    owned = {c for c in backend.nat_chains if s2 in c}
+    t.apply([ObjectEvent(ObjectKey("Service", "default", "s2"), None)])
+    result = plane.sync(t.snapshot(), full=False)
+    assert not result.full and result.stale_removed == 3  # KUBE-SVC- and two KUBE-SEP-
+    data = backend.restores[-1]
+    seps = {c for c in backend.nat_chains if c.startswith(names.SEP_PREFIX)}
+    assert len(seps) == 2, "only s1's endpoint chains are left"
+    assert f"-X {names.SVC_PREFIX}{s2}" in data and not owned & backend.nat_chains
+    assert ServicePortName("default", "s2", "http") not in plane.renderer._cache
+
+
+def test_partial_sync_after_a_pod_cidr_change_rewrites_every_service(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    plane = IptablesDataplane(
+        backend,  # type: ignore[arg-type]
+        NodeFacts(node_ips=("10.100.0.1",)),
+        RuleOptions(detect_local_mode="NodeCIDR"),
+        state_dir=tmp_path,
+    )
+    t = tracker_with(*svc(1), *svc(2), node("node1", pod_cidr="10.244.1.0/24"))
+    plane.sync(t.snapshot(), full=True)
+    apply(t, node("node1", pod_cidr="10.244.7.0/24"))
+    apply(t, svc(2, first=10)[1])  # and one service changes too
+    result = plane.sync(t.snapshot(), full=False)
+    assert result.rewritten == 2, "every service's masquerade rule names the pod CIDR"
+    data = backend.restores[-1]
+    assert "10.244.7.0/24" in data and "10.244.1.0/24" not in data

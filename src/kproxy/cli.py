@@ -296,6 +296,9 @@ def run(
     for name in ("logtostderr", "alsologtostderr"):
         extra.pop(name, None)
     setup_logging(max(verbose, int(klog_v) if klog_v and klog_v.isdigit() else 0))
+    from kproxy.memory import use_single_arena
+
+    use_single_arena()  # before any thread starts (see kproxy.memory)
     try:
         flags = _iptables_flags(
             mode,

@@ -16,6 +16,7 @@ from kproxy.dataplane.iptables.render import nodeport_ips
 from kproxy.dataplane.registry import create_dataplane
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.leftovers import clean_leftovers
+from kproxy.memory import release_free_heap
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.node_tuning import apply_conntrack_config, apply_oom_score
 from kproxy.server.admin import SOCKET_NAME, AdminServer
@@ -317,6 +318,7 @@ class LeftoverCleaner:
             iptables_flavour=getattr(backend, "flavour", None),
             state_dir=d.state_dir,
         )
+        release_free_heap()  # the scan read whole rule dumps
         d.leftovers_removed = [str(o) for o in removed]
         log.info("removed %d leftovers of other proxy modes", len(removed))
         d.write_status()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol as Interface
 
 from kproxy.dataplane.base import Dataplane, SyncError, SyncResult
+from kproxy.memory import release_free_heap
 from kproxy.model.objects import Protocol, ServicePort, ServicePortName, Snapshot
 from kproxy.model.snapshot import ChangeCounts, ChangeTracker
 from kproxy.runner import BoundedFrequencyRunner
@@ -193,6 +194,8 @@ class ProxyLoop:
             self._clean_udp_conntrack(previous, snapshot)
             for obs in self.observers:
                 obs.synced(snapshot, result, took, counts)
+            if result.full:
+                release_free_heap()  # a full sync's input is the daemon's largest garbage
             return True
 
     def _drifted(self) -> bool:

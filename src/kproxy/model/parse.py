@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import sys
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from kproxy.model.objects import Protocol
@@ -153,15 +153,19 @@ def _ip(value: Any, path: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ipaddress.ip_address(_ip_text(value, path))
 
 
-@lru_cache(maxsize=1 << 18)
 def _canonical_ip(text: str) -> str | None:
     """Canonical form of an IP, or None. Like upstream's ParseIPSloppy, IPv4 octets with
-    leading zeros are accepted and read as decimal ("010.001.2.3" is 10.1.2.3)."""
+    leading zeros are accepted and read as decimal ("010.001.2.3" is 10.1.2.3).
+
+    Not cached: a node holds one string per endpoint IP already, and a cache of 100,000
+    endpoint addresses cost more memory (about 200 bytes each) than re-checking them costs
+    time. A text that is already canonical is returned as it is, so no copy is kept."""
     m = _IPV4.fullmatch(text)
     if m is not None:
         octets = [int(g) for g in m.groups()]
         if all(o <= 255 for o in octets):
-            return ".".join(map(str, octets))
+            canonical = ".".join(map(str, octets))
+            return text if canonical == text else canonical
         return None
     try:
         return str(ipaddress.ip_address(text))
@@ -446,8 +450,9 @@ def parse_endpoint_slice(obj: dict[str, Any]) -> ParsedSlice:
         endpoints.append(
             ParsedEndpoint(
                 ip=ip,
-                node_name=_str(ep.get("nodeName"), f"{path}.nodeName"),
-                zone=_str(ep.get("zone"), f"{path}.zone"),
+                # A handful of node and zone names repeat over every endpoint of a cluster.
+                node_name=sys.intern(_str(ep.get("nodeName"), f"{path}.nodeName")),
+                zone=sys.intern(_str(ep.get("zone"), f"{path}.zone")),
                 ready=_condition(cond, "ready", True, path),
                 serving=_condition(cond, "serving", True, path),
                 terminating=_condition(cond, "terminating", False, path),

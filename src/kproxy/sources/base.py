@@ -45,7 +45,8 @@ EventSink = Callable[[Sequence[ObjectEvent]], None]
 
 class Source(Protocol):
     def start(self, sink: EventSink) -> None:
-        """Deliver the initial objects (one batch), then keep delivering changes until stop()."""
+        """Deliver the initial objects (one batch, or several for a large source, all before
+        returning), then keep delivering changes until stop()."""
 
     def stop(self) -> None: ...
 

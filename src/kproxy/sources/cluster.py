@@ -14,11 +14,13 @@ import ipaddress
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kproxy.config import ProxyConfig
-from kproxy.sources.api import ApiSource
-from kproxy.sources.kubeclient import ClientConfigError, ClientSettings, in_cluster_available
+from kproxy.sources.clientsettings import ClientConfigError, ClientSettings, in_cluster_available
+
+if TYPE_CHECKING:  # the API source loads the client library: only when it is used
+    from kproxy.sources.api import ApiSource
 
 log = logging.getLogger("kproxy.sources.cluster")
 
@@ -152,7 +154,7 @@ class Prepared:
 
     def started(self, daemon: Any) -> None:
         """After Daemon.start(): follow the declared mode and report status on the Node."""
-        if not isinstance(self.source, ApiSource) or self.facts is None:
+        if isinstance(self.source, Path) or self.facts is None:
             return
         from kproxy.sources.agent import ClusterAgent
 
@@ -177,6 +179,8 @@ def prepare_source(
     if choice.path is not None:
         return Prepared(source=choice.path, config=config, node_ips=node_ips)
     assert choice.api is not None
+    from kproxy.sources.api import ApiSource
+
     api = ApiSource(node_name, choice.api)
     try:
         facts = start_facts(api, config, node_ips)

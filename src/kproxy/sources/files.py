@@ -37,6 +37,9 @@ SUFFIXES = (".yaml", ".yml", ".json")
 # (coarse mtime granularity, same size), so it is re-hashed until it has been quiet this long.
 _RACY_NS = 2_000_000_000
 
+# Files read per batch of the initial delivery (see FileSource._initial_batches).
+INITIAL_CHUNK_FILES = 256
+
 # How long stop() waits for the watcher; a sink blocked forever must not hang shutdown.
 _JOIN_TIMEOUT = 10.0
 
@@ -337,7 +340,8 @@ def _object_digest(obj: dict[str, Any]) -> bytes:
 class FileSource:
     """A Source over a YAML/JSON file or a folder of them (recursive).
 
-    start() delivers every object in one batch; then a daemon thread delivers one batch of
+    start() delivers every object (in batches of INITIAL_CHUNK_FILES files, all before it
+    returns); then a daemon thread delivers one batch of
     differences per change. It sleeps on inotify watches of the folders it reads and, after
     an event, polls every poll_interval seconds until the change has settled; without
     inotify, or every rescan_interval seconds as a safety net for filesystems that send no
@@ -388,7 +392,8 @@ class FileSource:
         _require(self.path)
         self._sink = sink
         self._watch = DirWatch.create()
-        self._deliver(self._poll())
+        for batch in self._initial_batches():
+            self._deliver(batch)
         self._synced = True
         self._thread = threading.Thread(
             target=self._run, name=f"file-source:{self.path}", daemon=True
@@ -451,6 +456,32 @@ class FileSource:
                 "object sink failed on a batch of %d events from %s", len(batch), self.path
             )
 
+    def _initial_batches(self) -> Iterator[list[ObjectEvent]]:
+        """The first read, as one batch per INITIAL_CHUNK_FILES files. Every file's objects
+        are dicts until the sink has parsed them; reading 10,000 files before handing any
+        over held all of them at once and left the heap fragmented after they were freed.
+        A key defined in several files may arrive more than once; the last one wins, as in
+        a single batch, and no sink acts on objects before start() returns."""
+        found, directories = self._scanner.scan()
+        if self._watch is not None and not self._watch.watch(directories):
+            self._watch.close()
+            self._watch = None
+        delivered = False
+        for i in range(0, len(found), INITIAL_CHUNK_FILES):
+            chunk = found[i : i + INITIAL_CHUNK_FILES]
+            for p in chunk:
+                self._refresh(p)
+            try:
+                batch = self._first_read_events(chunk)
+            finally:
+                self._fresh.clear()
+            if batch:
+                delivered = True
+                yield batch
+        self._resolve()  # duplicates are reported once, over all files
+        if not delivered:
+            yield []  # the sink learns that the source is empty
+
     def _poll(self) -> list[ObjectEvent]:
         """Re-read what changed on disk; the events turning the old view into the new one."""
         found, directories = self._scanner.scan()
@@ -467,7 +498,9 @@ class FileSource:
         finally:
             self._fresh.clear()
 
-    def _events(self) -> list[ObjectEvent]:
+    def _resolve(self) -> dict[ObjectKey, tuple[str, bytes]]:
+        """key -> (the file it comes from now, its digest): the last file in path order
+        that defines it. Logs each new duplicate once."""
         new_view: dict[ObjectKey, tuple[str, bytes]] = {}
         owners: dict[ObjectKey, list[str]] = {}
         for path in sorted(self._states, key=_path_order):
@@ -479,6 +512,26 @@ class FileSource:
             if self._dups.get(key) != paths:
                 logger.warning("%s", _duplicate_message(key, tuple(Path(p) for p in paths)))
         self._dups = dups
+        return new_view
+
+    def _first_read_events(self, paths: list[str]) -> list[ObjectEvent]:
+        """Events for files read for the first time, each later in path order than every
+        file read before it (so it wins any key they share)."""
+        events: dict[ObjectKey, ObjectEvent] = {}
+        for path in paths:
+            state = self._states.get(path)
+            for key, digest in state.objects.items() if state is not None else ():
+                old = self._view.get(key)
+                if old is None or old[1] != digest:
+                    obj = self._object(path, key, digest)
+                    if obj is None:
+                        continue
+                    events[key] = ObjectEvent(key, obj)
+                self._view[key] = (path, digest)
+        return list(events.values())
+
+    def _events(self) -> list[ObjectEvent]:
+        new_view = self._resolve()
         events: list[ObjectEvent] = []
         for key, (path, digest) in new_view.items():
             old = self._view.get(key)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,35 +23,14 @@ import aiohttp
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.config import kube_config
 from kubernetes_asyncio.config.config_exception import ConfigException
-from kubernetes_asyncio.config.incluster_config import (
-    SERVICE_CERT_FILENAME,
+from kubernetes_asyncio.config.incluster_config import load_incluster_config
+
+from kproxy.sources.clientsettings import (
     SERVICE_HOST_ENV_NAME,
-    SERVICE_TOKEN_FILENAME,
-    load_incluster_config,
+    ClientConfigError,
+    ClientSettings,
+    in_cluster_available,
 )
-
-
-class ClientConfigError(Exception):
-    """The connection settings are unusable (a user mistake: printed as one line)."""
-
-
-@dataclass(frozen=True)
-class ClientSettings:
-    kubeconfig: str = ""
-    master: str = ""
-    # Where in-cluster credentials live (tests point these at a temporary folder).
-    token_file: str = SERVICE_TOKEN_FILENAME
-    ca_file: str = SERVICE_CERT_FILENAME
-
-    @property
-    def description(self) -> str:
-        if self.kubeconfig:
-            return f"kubeconfig {self.kubeconfig}" + (
-                f" (server {self.master})" if self.master else ""
-            )
-        if self.master:
-            return f"master {self.master}"
-        return "in-cluster service account"
 
 
 def _token_file_hook(token_file: Path) -> Callable[[k8s.Configuration], None]:
@@ -71,11 +49,6 @@ def _token_file_hook(token_file: Path) -> Callable[[k8s.Configuration], None]:
             seen[0] = mtime
 
     return refresh
-
-
-def in_cluster_available() -> bool:
-    """Whether this process runs in a pod with a service account (what kube-proxy checks)."""
-    return bool(os.environ.get(SERVICE_HOST_ENV_NAME))
 
 
 @dataclass

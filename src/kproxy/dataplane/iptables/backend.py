@@ -545,9 +545,16 @@ class IptablesBackend:
         """Is `rule` ('CHAIN spec...', as after '-A') in place? Found as text in a built-in
         chain's outline is enough; otherwise iptables -C decides, since it compares rules
         semantically (a jump written by another version may print differently, and a
-        false "missing" would add a duplicate)."""
-        if outline is not None and f"-A {rule}" in outline.builtin_rules:
-            return True
+        false "missing" would add a duplicate). A chain with no rule jumping to the same
+        target cannot hold it in any spelling, so then no -C runs (a fresh node's sync ran
+        twelve for nothing)."""
+        if outline is not None:
+            if f"-A {rule}" in outline.builtin_rules:
+                return True
+            chain, _, rest = rule.partition(" ")
+            head, jump = f"-A {chain} ", f"-j {rest.rsplit(' -j ', 1)[-1]}"
+            if not any(r.startswith(head) and jump in r for r in outline.builtin_rules):
+                return False
         return self.check_rule(table, rule_spec(rule))
 
     def delete_rule(self, table: str, spec: Sequence[str]) -> bool:

@@ -79,7 +79,6 @@ class IptablesDataplane:
         self.state_dir = state_dir
         self.piece_services = piece_services
         self._applied: AppliedState | None = None
-        self.last_plan: IptablesPlan | None = None
 
     # --- sync --------------------------------------------------------------------------------
 
@@ -105,8 +104,9 @@ class IptablesDataplane:
                 for n, sp in snapshot.services.items()
                 if applied.services.get(n) is not sp and applied.services.get(n) != sp
             }
+        # Not kept after the sync: a full sync's plan holds every chain's text (33 MB at
+        # 10,000 services).
         plan = self.renderer.plan(snapshot, rewrite=rewrite, existing_chains=existing)
-        self.last_plan = plan
         include_filter = full or applied is None or plan.filter_rules != applied.filter_rules
         include_nat_top = full or applied is None or plan.nat_top_rules != applied.nat_top_rules
         jumps = self._missing_jumps(outlines) if full else []
@@ -134,7 +134,7 @@ class IptablesDataplane:
                 raise SyncError(f"iptables restore failed: {err}") from err
         self._applied = AppliedState(
             services=dict(snapshot.services),
-            chains=set(plan.active_chains),
+            chains=plan.active_chains,  # not copied: nothing changes a plan after its sync
             filter_rules=plan.filter_rules,
             nat_top_rules=plan.nat_top_rules,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables import names
@@ -109,7 +109,15 @@ class ServiceBlock:
     filter_rules: tuple[str, ...]  # in the top-level filter chains
     nat_top_rules: tuple[str, ...]  # in nat KUBE-SERVICES / KUBE-NODEPORTS
     chains: tuple[str, ...]  # nat chains this service owns (SVC/SVL/EXT/FW/SEP)
-    chain_rules: tuple[str, ...]  # the rules of those chains
+    # The rules of those chains as restore lines joined by newlines: one string instead of
+    # ~40 per service (at 10,000 services, 24 MB of object headers less in the cache, and
+    # a restore input joined from 10,000 parts instead of 430,000).
+    chain_text: str
+    chain_rule_count: int
+
+    @property
+    def chain_rules(self) -> list[str]:
+        return self.chain_text.split("\n") if self.chain_text else []
 
 
 @dataclass
@@ -152,14 +160,13 @@ class IptablesPlan:
         parts += [f":{c} - [0:0]" for c in stale]
         if include_top:
             parts += self.nat_top_rules
-        for b in blocks:
-            parts += b.chain_rules
+        parts += [b.chain_text for b in blocks if b.chain_text]
         parts += [f"-X {c}" for c in stale]
         parts.append("COMMIT")
         return parts
 
     def rules_written(self, *, include_filter: bool, include_nat_top: bool) -> dict[str, int]:
-        nat = sum(len(b.chain_rules) for b in self.blocks)
+        nat = sum(b.chain_rule_count for b in self.blocks)
         if include_nat_top:
             nat += len(self.nat_top_rules)
         return {"filter": len(self.filter_rules) if include_filter else 0, "nat": nat}
@@ -240,14 +247,23 @@ class IptablesRenderer:
         self.localhost_nodeports = localhost_nodeports_enabled(options)
         self._cache: dict[ServicePortName, tuple[ServicePort, bool, ServiceBlock]] = {}
         self._detector_cidrs: tuple[str, ...] = ()
+        self._large: bool | None = None  # large-cluster mode of the last plan
         self.detector = LocalDetector(options, ())
 
-    def block(self, sp: ServicePort, large: bool) -> ServiceBlock:
+    def block(self, sp: ServicePort, large: bool, *, with_chains: bool = True) -> ServiceBlock:
+        """The service's block. The cache keeps blocks without their chain text: only a sync
+        that writes the service's chains needs it (a partial sync writes a few services, a
+        full sync, at most hourly, all of them), and at 10,000 services the text is 33 MB."""
         hit = self._cache.get(sp.name)
-        if hit is not None and hit[1] == large and (hit[0] is sp or hit[0] == sp):
+        if (
+            not with_chains
+            and hit is not None
+            and hit[1] == large
+            and (hit[0] is sp or hit[0] == sp)
+        ):
             return hit[2]
         blk = self._build_block(sp, large)
-        self._cache[sp.name] = (sp, large, blk)
+        self._cache[sp.name] = (sp, large, replace(blk, chain_text=""))
         return blk
 
     def plan(
@@ -259,13 +275,22 @@ class IptablesRenderer:
     ) -> IptablesPlan:
         """rewrite=None: full sync (every service chain written). Otherwise only those services'
         chains are written and the others are left as the kernel has them (a partial sync).
-        existing_chains: service chains known to exist in the kernel, to find stale ones."""
+        existing_chains: service chains known to exist in the kernel, to find stale ones. In
+        a partial sync they are the chains of this renderer's previous plan, so only the
+        chains of services that changed or went away can have become stale."""
         if snapshot.node.pod_cidrs != self._detector_cidrs:
             self._detector_cidrs = snapshot.node.pod_cidrs
             self.detector = LocalDetector(self.options, snapshot.node.pod_cidrs)
             self._cache.clear()
+            rewrite = None  # every service's rules depend on the detector
         ports = snapshot.sorted_ports()
         large = sum(len(sp.endpoints) for sp in ports) > LARGE_CLUSTER_ENDPOINTS
+        if large != self._large:
+            self._large = large
+            rewrite = None  # every service's comments change with large-cluster mode
+        # Chains of the previous blocks of services written now or gone: a partial sync's
+        # only candidates for stale chains.
+        replaced: list[tuple[str, ...]] = []
         plan = IptablesPlan(large_cluster=large)
         plan.filter_chains = [f":{c} - [0:0]" for c in FILTER_TOP_CHAINS]
         plan.nat_top_chains = [f":{c} - [0:0]" for c in NAT_TOP_CHAINS]
@@ -289,17 +314,31 @@ class IptablesRenderer:
         active = plan.active_chains
         chain_rule_count = 0
         for sp in ports:
-            blk = self.block(sp, large)
+            write = rewrite is None or sp.name in rewrite
+            if write and rewrite is not None and (old := self._cache.get(sp.name)) is not None:
+                replaced.append(old[2].chains)
+            blk = self.block(sp, large, with_chains=write)
             filter_rules += blk.filter_rules
             nat_rules += blk.nat_top_rules
             active.update(blk.chains)
-            chain_rule_count += len(blk.chain_rules)
-            if rewrite is None or sp.name in rewrite:
+            chain_rule_count += blk.chain_rule_count
+            if write:
                 plan.blocks.append(blk)
                 plan.rewritten.add(sp.name)
+        if len(self._cache) > len(ports):
+            # Services that are gone (a cache entry per service name ever seen would grow
+            # with churn for the daemon's whole life).
+            for name in [n for n in self._cache if n not in snapshot.services]:
+                replaced.append(self._cache.pop(name)[2].chains)
         nat_rules += self._nodeports_tail()
+        if rewrite is None:
+            candidates: Iterable[str] = existing_chains
+        else:
+            # At 10,000 services this is ~10 chains instead of a walk over 110,000.
+            exists = existing_chains if isinstance(existing_chains, set) else set(existing_chains)
+            candidates = {c for chains in replaced for c in chains if c in exists}
         plan.stale_chains = sorted(
-            c for c in existing_chains if names.is_service_chain(c) and c not in active
+            c for c in candidates if names.is_service_chain(c) and c not in active
         )
         filter_rules += self._forward_rules()
         plan.rules_total = {"filter": len(filter_rules), "nat": len(nat_rules) + chain_rule_count}
@@ -442,7 +481,7 @@ class IptablesRenderer:
             )
 
         if not has_endpoints:
-            return ServiceBlock(tuple(filt), tuple(top), (), ())
+            return ServiceBlock(tuple(filt), tuple(top), (), "", 0)
 
         chains: list[str] = []
         rules: list[str] = []
@@ -515,7 +554,7 @@ class IptablesRenderer:
                 rules.append(f"-A {sep} {comment}-m recent --name {sep} --set {dnat} {addr}")
             else:
                 rules.append(f"-A {sep} {comment}{dnat} {addr}")
-        return ServiceBlock(tuple(filt), tuple(top), tuple(chains), tuple(rules))
+        return ServiceBlock(tuple(filt), tuple(top), tuple(chains), "\n".join(rules), len(rules))
 
 
 def _dispatch(
