@@ -524,6 +524,30 @@ def test_missing_cluster_cidr_warns(fake: FakeNode) -> None:
     )
 
 
+def test_a_userspace_port_range_too_small_for_the_listeners_blocks(fake: FakeNode) -> None:
+    # web is a NodePort service: a ClusterIP listener and an external one, 2 ports each.
+    objs = web_objects(type="NodePort")
+    objs[1]["spec"]["ports"][0]["nodePort"] = 30080
+    api_ports = [port("a", 80, 8080, nodePort=30081), port("b", 81, 8081, nodePort=30082)]
+    objs += [
+        service("api", "10.96.0.11", api_ports, type="NodePort"),
+        endpoint_slice("api", [endpoint(PODS[0])], [port("a", 8080), port("b", 8081)]),
+    ]
+    small = cfg('portRange: "20000-20004"\n')  # 5 ports for 6 listeners
+    result = run(fake, "userspace", families=["config"], config=small, objects=objs)
+    f = one(result, "config.port-range-too-small")
+    assert f.severity is Severity.BLOCK and f.facts == {"needed": 6, "range": [20000, 20004]}
+    assert '.portRange = "20000-20005"' in f.fix[0]
+    enough = cfg('portRange: "20000-20005"\n')
+    assert "config.port-range-too-small" not in ids(
+        run(fake, "userspace", families=["config"], config=enough, objects=objs)
+    )
+    # Other modes have no proxy ports.
+    assert "config.port-range-too-small" not in ids(
+        run(fake, "iptables", families=["config"], config=small, objects=objs)
+    )
+
+
 def test_an_unavailable_target_mode_blocks(fake: FakeNode) -> None:
     from kproxy.dataplane.base import AVAILABLE_MODES
 

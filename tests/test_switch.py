@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from kproxy.dataplane.base import SyncResult
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import snapshot_from_objects
@@ -98,6 +100,25 @@ def test_make_before_break_order(tmp_path: Path) -> None:
     assert calls == ["nftables.sync", "iptables.detach", "iptables.cleanup"]
     switcher.wait_records(10)  # the after-record is written in the background
     assert len(report.snapshots) == 2 and all(Path(p).exists() for p in report.snapshots)
+
+
+def test_a_failing_after_record_does_not_undo_a_done_switch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    switcher = switcher_for(calls, state_dir=tmp_path)
+    real = ModeSwitcher._snapshot_path
+
+    def full_disk(self: ModeSwitcher, report: object, when: str) -> Path | None:
+        if when == "after":
+            raise OSError(28, "No space left on device")
+        return real(self, report, when)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ModeSwitcher, "_snapshot_path", full_disk)
+    report, now = switcher.switch(Plane("iptables", calls), SNAP, "nftables", timeout=30)
+    assert report.ok and now.mode == "nftables"
+    step = next(s for s in report.steps if s.name == "snapshot-after")
+    assert "No space left" in step.detail
 
 
 def test_a_fresh_preflight_backup_is_the_before_record(tmp_path: Path) -> None:

@@ -267,8 +267,14 @@ class ModeSwitcher:
         return str(path)
 
     def _record_after(self, report: SwitchReport) -> str:
-        """The switch is done: its after-record must neither delay the answer nor undo it."""
-        path = self._snapshot_path(report, "after")
+        """The switch is done: its after-record must neither delay the answer nor undo it
+        (an error escaping here would leave the caller with the old mode's dataplane while
+        the kernel runs the new one)."""
+        try:
+            path = self._snapshot_path(report, "after")
+        except OSError as err:
+            log.warning("could not record the dataplane after the switch: %s", err)
+            return f"not kept: {err}"
         if path is None:
             return "no state dir: not kept"
         snapshotter = self.snapshotter

@@ -327,6 +327,26 @@ def local_cidrs(options: RuleOptions, pod_cidrs: Iterable[str]) -> tuple[str, ..
     return None
 
 
+def proxied(sp: ServicePort) -> bool:
+    """Whether userspace mode proxies this service port (IPv4 TCP and UDP only)."""
+    return sp.protocol is not Protocol.SCTP and bool(sp.cluster_ip) and ":" not in sp.cluster_ip
+
+
+def listener_keys(ports: Iterable[ServicePort]) -> list[str]:
+    """One listener per scope a proxied port uses: its ClusterIP, and its external
+    addresses (NodePort, externalIPs, LoadBalancer IPs) when it has any. Each needs a port
+    of the proxy port range."""
+    keys: list[str] = []
+    for sp in ports:
+        if not proxied(sp):
+            continue
+        if sp.has_internal_endpoints:
+            keys.append(listener_key(sp, "cluster"))
+        if sp.any_endpoints and sp.is_external:
+            keys.append(listener_key(sp, "external"))
+    return keys
+
+
 class UserspaceRenderer:
     def __init__(
         self,
@@ -355,19 +375,15 @@ class UserspaceRenderer:
             masquerade_all=self.options.masquerade_all,
         )
         ports_in_use: list[ServicePort] = []
-        keys: list[str] = []
         for sp in snapshot.sorted_ports():
-            if sp.protocol is Protocol.SCTP or ":" in sp.cluster_ip or not sp.cluster_ip:
+            if not proxied(sp):
                 plan.skipped.append(
                     f"{sp.name} ({sp.protocol}, {sp.cluster_ip or 'no IP'}):"
                     " userspace mode proxies IPv4 TCP and UDP only"
                 )
                 continue
             ports_in_use.append(sp)
-            if sp.has_internal_endpoints:
-                keys.append(listener_key(sp, "cluster"))
-            if sp.any_endpoints and sp.is_external:
-                keys.append(listener_key(sp, "external"))
+        keys = listener_keys(ports_in_use)
         ports = allocate_ports(keys, previous_ports or {}, self.port_range, avoid_ports, bad_ports)
         np_ips = nodeport_ips(self.options, self.facts)
         for sp in ports_in_use:

@@ -5,7 +5,8 @@ the checks here are the mistakes that validate fine and still hurt: a file whose
 differs from the switch (the next restart switches back), settings that live in per-mode
 sections and so change with the mode (masqueradeAll), excludeCIDRs swallowing the pods'
 or services' addresses, strictARP off under an ARP-announcing load balancer, NodePort
-addresses that match nothing, no clusterCIDR.
+addresses that match nothing, no clusterCIDR, a userspace port range too small for the
+services.
 """
 
 from __future__ import annotations
@@ -374,6 +375,44 @@ def check_cluster_cidr(ctx: Context) -> list[Finding]:
     return []
 
 
+def check_proxy_port_range(ctx: Context) -> list[Finding]:
+    """userspace mode needs one proxy port per listener; more listeners than the range
+    holds is a switch that fails after preflight said yes."""
+    from kproxy.dataplane.userspace.render import listener_keys, parse_port_range
+
+    snap = ctx.snapshot
+    text = ctx.target_config.port_range
+    try:
+        lo, hi = parse_port_range(text)
+    except ValueError:
+        return []  # config.py's own validation reports it (check_loads)
+    if snap is None:
+        return []
+    needed = len(listener_keys(snap.services.values()))
+    size = hi - lo + 1
+    if needed <= size:
+        return []
+    where = f"portRange {text!r}" if text.strip() else f"the default portRange {lo}-{hi}"
+    span = needed + needed // 10  # room for services added later
+    start, note = lo, "below the NodePort range 30000-32767"
+    if lo + span - 1 >= 30000:
+        # Above the NodePort range: taken from the kernel's ephemeral ports, where
+        # upstream's own default (an empty portRange) picked them.
+        start, note = 32768, "above the NodePort range 30000-32767"
+    wider = f"{start}-{min(65535, start + span - 1)}"
+    return [
+        block(
+            "config.port-range-too-small",
+            f"userspace mode needs {needed} proxy ports (one per ClusterIP and per external "
+            f"scope of each service port) and {where} holds {size}",
+            "the new mode could not open its listeners: the switch would roll back, and a "
+            "restart in userspace mode would not serve at all",
+            [yq(ctx, f'.portRange = "{wider}"') + f"  # {note}"],
+            facts={"needed": needed, "range": [lo, hi]},
+        )
+    ]
+
+
 CHECKS = (
     Check("config", check_loads),
     Check("config", check_target_mode),
@@ -385,4 +424,5 @@ CHECKS = (
     Check("config", check_strict_arp, ("ipvs",)),
     Check("config", check_node_port_addresses, ("iptables", "nftables", "ipvs")),
     Check("config", check_cluster_cidr, ("iptables", "nftables", "ipvs")),
+    Check("config", check_proxy_port_range, ("userspace",), needs_source=True),
 )
