@@ -379,7 +379,8 @@ def _rss(res: Results) -> list[str]:
         "The real daemon (`python -m kproxy.cli run --source DIR --config CONFIG "
         "--state-dir ... --node-ip ... --iptables-backend B`) in a fresh namespace, one "
         "YAML file per service; /proc/PID/status read once status.json reports the first "
-        "sync, and again 5 s later.",
+        "sync, and again 5 s after the start-up leftover scan (it reads whole rule dumps "
+        "beside the running mode) has reported.",
         "",
     ]
     rows = []
@@ -403,7 +404,7 @@ def _rss(res: Results) -> list[str]:
             "services",
             "VmRSS after 1st sync",
             "VmHWM",
-            "VmRSS +5 s",
+            "VmRSS steady (after the leftover scan)",
             "start → 1st sync",
             "1st sync",
             "idle CPU (1 core)",

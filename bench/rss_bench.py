@@ -2,9 +2,10 @@
 
 kproxy runs as production runs it (`python -m kproxy.cli run --source DIR --config ...`),
 inside a fresh bench namespace via `ip netns exec`, reading one YAML file per service. We
-wait for status.json in its state dir to report syncs >= 1, then read /proc/<pid>/status,
-wait a few seconds and read again (steady state) together with the CPU the idle process
-uses (the file source polls every 0.25 s).
+wait for status.json in its state dir to report syncs >= 1, then read /proc/<pid>/status;
+then wait for the start-up leftover scan to finish (status.json's leftovers_removed: it
+reads whole rule dumps beside the running mode), STEADY_WAIT seconds more, and read again
+(steady state) together with the CPU the idle process uses over those seconds.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class RssFigures:
     size: int
     rss_mb: float = 0.0  # VmRSS right after the first sync
     hwm_mb: float = 0.0  # VmHWM (peak RSS) right after the first sync
-    steady_rss_mb: float = 0.0  # VmRSS STEADY_WAIT seconds later
+    steady_rss_mb: float = 0.0  # VmRSS STEADY_WAIT seconds after the leftover scan
+    leftovers_s: float = 0.0  # first sync -> the leftover scan reported done
     first_sync_s: float = 0.0  # process start -> status.json reports the first sync
     sync_duration_s: float = 0.0  # the first (full) sync itself, as kproxy logs it
     idle_cpu_pct: float = 0.0  # CPU of the idle process (polling), % of one core
@@ -145,6 +147,7 @@ def _run_once(
             fig.rss_mb, fig.hwm_mb = mem["VmRSS"], mem["VmHWM"]
             found = _FIRST_FULL_RE.search(logfile.read_text(errors="replace"))
             fig.sync_duration_s = float(found.group(1)) if found else 0.0
+            fig.leftovers_s = _wait_leftovers(proc, state / "status.json")
             cpu0 = _cpu_seconds(proc.pid)
             time.sleep(STEADY_WAIT)
             fig.idle_cpu_pct = 100 * (_cpu_seconds(proc.pid) - cpu0) / STEADY_WAIT
@@ -172,6 +175,16 @@ def _wait_first_sync(
             raise _Bug1()
         time.sleep(0.1)
     raise TimeoutError(f"kproxy did not report a sync within {FIRST_SYNC_TIMEOUT:.0f} s")
+
+
+def _wait_leftovers(proc: subprocess.Popen[bytes], status: Path) -> float:
+    started = time.monotonic()
+    deadline = started + FIRST_SYNC_TIMEOUT
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _status(status).get("leftovers_removed") is not None:
+            return time.monotonic() - started
+        time.sleep(0.2)
+    raise TimeoutError("kproxy did not report its leftover scan as done")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

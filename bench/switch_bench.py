@@ -5,6 +5,10 @@ one more the load goes to); `kproxy switch` is timed from the command line while
 long-lived connections run; failures are counted.
 
     .venv/bin/python -m bench.switch_bench [--sizes 1000,10000] [--pairs iptables:nftables,...]
+        [--port-range 32768-43767]
+
+--port-range sets the config's portRange (userspace mode's proxy ports): the default
+20000-29999 holds 10,000 listeners, fewer than 10,000 services need (preflight refuses).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ mode: {mode}
 hostnameOverride: node1
 clusterCIDR: 10.244.0.0/16
 conntrack: {{maxPerCore: 0}}
+portRange: "{port_range}"
 """
 
 
@@ -94,13 +99,13 @@ def write_objects(folder: Path, n: int, pods: list[str]) -> None:
     )
 
 
-def run_pair(n: int, first: str, second: str) -> list[dict[str, object]]:
+def run_pair(n: int, first: str, second: str, port_range: str = "") -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     with Lab(pods=10, clients=2) as lab, tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         write_objects(work / "objects", n, list(lab.pod_ips.values()))
         cfg = work / "config.yaml"
-        cfg.write_text(CONFIG.format(mode=first))
+        cfg.write_text(CONFIG.format(mode=first, port_range=port_range))
         proxy = ProxyProcess(
             lab,
             work / "objects",
@@ -172,12 +177,13 @@ def main() -> None:
     )
     ap.add_argument("--sizes", default="1000")
     ap.add_argument("--pairs", default="iptables:nftables,iptables:userspace,nftables:userspace")
+    ap.add_argument("--port-range", default="", help="the config's portRange (default: none)")
     args = ap.parse_args()
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
         for pair in args.pairs.split(","):
             first, second = pair.split(":")
-            rows += run_pair(n, first, second)
+            rows += run_pair(n, first, second, args.port_range)
     print("\n| services | switch | ok | total s | program | verify | cut-over | remove | failed |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
