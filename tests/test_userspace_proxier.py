@@ -192,3 +192,43 @@ def test_a_status_file_of_a_foreign_process_is_not_adopted(tmp_path: Path) -> No
         },
     )
     assert ws.workers() == {}
+
+
+def _flow(proto: str, src: str, sport: int, dst: str, dport: int, reply: str, rport: int) -> Any:
+    from kproxy.conntrack import ConntrackEntry
+
+    return ConntrackEntry(proto, src, dst, sport, dport, reply, src, rport, sport)
+
+
+def test_redirected_flow_filters_pick_only_flows_answered_by_a_listener() -> None:
+    from kproxy.conntrack import DeleteFilter
+    from kproxy.dataplane.userspace.proxier import redirected_flow_filters
+
+    listeners = [
+        {"port": 20001, "destinations": ["10.96.0.53:53"]},
+        {"port": 20002, "destinations": ["nodePort 30053", "192.0.2.7:53"]},
+    ]
+    entries = [
+        # Two clients of the ClusterIP redirected to proxy port 20001: one filter for both.
+        _flow("udp", "10.244.0.5", 4000, "10.96.0.53", 53, "10.100.0.1", 20001),
+        _flow("udp", "10.244.0.6", 4001, "10.96.0.53", 53, "10.100.0.1", 20001),
+        # A NodePort flow answered by its listener...
+        _flow("udp", "10.0.0.9", 5000, "10.100.0.1", 30053, "10.100.0.1", 20002),
+        # ...and one to the same address and port that a local program answered itself:
+        # a filter by destination would take it too, so the redirected flow gets its own.
+        _flow("udp", "10.0.0.8", 5001, "10.100.0.1", 30053, "10.100.0.1", 30053),
+        # DNATed to a pod by another mode, and a TCP flow: not touched.
+        _flow("udp", "10.244.0.7", 4002, "10.96.0.99", 53, "10.244.1.3", 53),
+        _flow("tcp", "10.244.0.8", 4003, "10.96.0.53", 53, "10.100.0.1", 20001),
+    ]
+    assert redirected_flow_filters(entries, listeners) == [
+        DeleteFilter(
+            "udp",
+            orig_src="10.0.0.9",
+            orig_sport=5000,
+            orig_dst="10.100.0.1",
+            orig_dport=30053,
+            reply_src="10.100.0.1",
+        ),
+        DeleteFilter("udp", orig_dst="10.96.0.53", orig_dport=53, reply_src="10.100.0.1"),
+    ]
