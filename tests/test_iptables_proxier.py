@@ -236,6 +236,11 @@ def test_large_full_sync_on_nft_is_loaded_in_ordered_pieces(tmp_path: Path) -> N
     # On a live node (the chains exist) there is no piece 0.
     backend.restores.clear()
     assert plane.sync(t.snapshot(), full=True).pieces == 7
+    # Pieces over a serving table are bigger (each commit re-validates the reachable table):
+    # sqrt(4.5 * 600) = 52 services per piece, 12 pieces, against 30 of 20 on a fresh node.
+    small = IptablesDataplane(FakeBackend("nft"), NodeFacts(), RuleOptions(), piece_services=20)  # type: ignore[arg-type]
+    assert small.sync(t.snapshot(), full=True).pieces == 1 + 30 + 1
+    assert small.sync(t.snapshot(), full=True).pieces == 12 + 1
     # A legacy backend rewrites the whole table per restore anyway: one piece there.
     legacy = FakeBackend("legacy")
     plane2 = IptablesDataplane(legacy, NodeFacts(), RuleOptions(), piece_services=100)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ partial syncs and repeated renders cheap.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
@@ -137,22 +137,44 @@ class IptablesPlan:
     large_cluster: bool = False
     rules_total: dict[str, int] = field(default_factory=dict)
 
-    def text(self, *, include_filter: bool = True, include_nat_top: bool = True) -> str:
-        """The whole restore input (optionally without the parts known to be unchanged)."""
-        parts: list[str] = []
-        if include_filter:
-            parts += ["*filter", *self.filter_chains, *self.filter_rules, "COMMIT"]
-        nat = self.nat_section(self.blocks, include_top=include_nat_top, stale=self.stale_chains)
+    def text(
+        self,
+        *,
+        include_filter: bool = True,
+        include_nat_top: bool = True,
+        jumps: Mapping[str, Sequence[str]] | None = None,
+    ) -> str:
+        """The whole restore input (optionally without the parts known to be unchanged).
+        jumps: extra lines per table (the jumps from built-in chains a sync adds, chain
+        declarations among them), written into that table's section."""
+        jumps = jumps or {}
+        parts = self.filter_section(jumps.get("filter", ())) if include_filter else []
+        nat = self.nat_section(
+            self.blocks,
+            include_top=include_nat_top,
+            stale=self.stale_chains,
+            jumps=jumps.get("nat", ()),
+        )
         return "\n".join(parts + nat) + "\n" if parts or nat else ""
 
+    def filter_section(self, jumps: Sequence[str] = ()) -> list[str]:
+        decls, rules = _declarations_first(jumps)
+        return ["*filter", *self.filter_chains, *decls, *self.filter_rules, *rules, "COMMIT"]
+
     def nat_section(
-        self, blocks: Iterable[ServiceBlock], *, include_top: bool, stale: Iterable[str] = ()
+        self,
+        blocks: Iterable[ServiceBlock],
+        *,
+        include_top: bool,
+        stale: Iterable[str] = (),
+        jumps: Sequence[str] = (),
     ) -> list[str]:
         blocks = list(blocks)
         stale = list(stale)
-        if not blocks and not stale and not include_top:
+        if not blocks and not stale and not include_top and not jumps:
             return []
-        parts = ["*nat"]
+        decls, jump_rules = _declarations_first(jumps)
+        parts = ["*nat", *decls]
         if include_top:
             parts += self.nat_top_chains
         for b in blocks:
@@ -162,6 +184,7 @@ class IptablesPlan:
             parts += self.nat_top_rules
         parts += [b.chain_text for b in blocks if b.chain_text]
         parts += [f"-X {c}" for c in stale]
+        parts += jump_rules
         parts.append("COMMIT")
         return parts
 
@@ -555,6 +578,11 @@ class IptablesRenderer:
             else:
                 rules.append(f"-A {sep} {comment}{dnat} {addr}")
         return ServiceBlock(tuple(filt), tuple(top), tuple(chains), "\n".join(rules), len(rules))
+
+
+def _declarations_first(lines: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(chain declarations, other lines): declarations go first in a section."""
+    return [x for x in lines if x.startswith(":")], [x for x in lines if not x.startswith(":")]
 
 
 def _dispatch(
