@@ -66,6 +66,10 @@ from kproxy.model.objects import Snapshot
 
 log = logging.getLogger("kproxy.ipvs")
 
+# Seconds between forgetting the conntrack entries of UDP/SCTP flows through a retiring
+# virtual server and deleting it (see retire): a lab datagram's round trip is ~1 ms, a busy
+# node's DNS answer can take far longer, and the wait only happens when there were flows.
+DATAGRAM_REPLY_GRACE = 0.25
 FRESH_DUMP_LIMIT = 16  # above this many virtual servers, read /proc/net/ip_vs once instead
 FAILED_RESTORE = "ipvs-iptables-failed-restore.txt"
 
@@ -627,7 +631,11 @@ class IpvsDataplane:
         draining = ipvs_drain.Draining(self.netns)
         draining.servers = ipvs_drain.busy(keys, dests, draining.conns or dict)
         idle = [k for k in keys if k not in draining.servers]
-        self._forget_datagram_flows(k for k in idle if k.protocol != "TCP")
+        datagram = [k for k in idle if k.protocol != "TCP"]
+        if self._forget_datagram_flows(datagram):
+            # A reply to a datagram IPVS forwarded just before may still be on its way: it
+            # needs the virtual server's connection entry to be translated back.
+            time.sleep(DATAGRAM_REPLY_GRACE)
         for req, code in self.ipvs.delete_services(idle):
             if code not in (errno.ENOENT, errno.ESRCH):
                 log.warning("%s failed: %s", req.what, os.strerror(code))
@@ -647,7 +655,7 @@ class IpvsDataplane:
         self._graceful = {}
         return removed, draining
 
-    def _forget_datagram_flows(self, keys: Iterable[VSKey]) -> None:
+    def _forget_datagram_flows(self, keys: Iterable[VSKey]) -> int:
         """Delete the conntrack entries of UDP/SCTP flows to virtual servers about to go.
 
         A UDP client keeps its 5-tuple, so its flow stays one conntrack entry that IPVS set
@@ -658,13 +666,15 @@ class IpvsDataplane:
             DeleteFilter(k.protocol.lower(), orig_dst=k.address, orig_dport=k.port) for k in keys
         ]
         if not filters:
-            return
+            return 0
         try:
             deleted = Conntrack(self.netns).delete_many(filters)
         except (ConntrackError, OSError) as err:
             log.warning("cannot clear the conntrack entries of UDP/SCTP flows: %s", err)
-            return
-        log.info("cleared %d conntrack entries of UDP/SCTP flows through ipvs", deleted)
+            return 0
+        if deleted:
+            log.info("cleared %d conntrack entries of UDP/SCTP flows through ipvs", deleted)
+        return deleted
 
     def _unbind_all_but(self, draining: ipvs_drain.Draining) -> list[OwnedObject]:
         """Unbind every kube-ipvs0 address but the draining virtual servers' (kept in
