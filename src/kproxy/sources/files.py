@@ -28,6 +28,7 @@ import yaml
 
 from kproxy.sources.base import KINDS, NODE, EventSink, ObjectEvent, ObjectKey
 from kproxy.sources.dirwatch import DirWatch
+from kproxy.sources.yamlload import load_all
 
 logger = logging.getLogger("kproxy.sources.files")
 
@@ -44,17 +45,6 @@ INITIAL_CHUNK_FILES = 256
 _JOIN_TIMEOUT = 10.0
 
 _Objects = dict[ObjectKey, dict[str, Any]]
-
-
-class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-    """Safe loader that keeps timestamps as strings, as Kubernetes' own YAML decoding does,
-    so objects stay plain JSON-compatible data."""
-
-
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
 
 
 class _FileError(Exception):
@@ -181,7 +171,7 @@ def _load_documents(text: str, path: Path) -> list[Any]:
         except json.JSONDecodeError as e:
             raise _FileError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
     try:
-        return list(yaml.load_all(text, Loader=_Loader))
+        return load_all(text)
     except yaml.YAMLError as e:
         line = _line_of(e)
         where = f"{path}:{line}" if line is not None else str(path)
