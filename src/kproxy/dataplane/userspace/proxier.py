@@ -233,11 +233,16 @@ class UserspaceDataplane:
             log.warning("cannot persist the proxy-port allocation: %s", err)
 
     def _jumps_in_place(self) -> list[tuple[str, str, str, bool]]:
-        """(table, verb, rule, present) of every jump from a built-in chain, from one save
-        per table instead of an `iptables -C` per jump (each -C reloads the whole table)."""
-        tables = sorted({j[0] for j in JUMPS})
+        """(table, verb, rule, present) of every jump from a built-in chain, from the rules
+        of those built-in chains only (not an `iptables -C` per jump, each of which reloads
+        the whole table, nor a save of whole tables: during a switch to iptables mode the nat
+        table also holds the new mode's 320,000 rules at 10,000 services, and saving it made
+        the cut-over take 21.9 s)."""
+        chains: dict[str, set[str]] = {}
+        for table, chain, *_ in JUMPS:
+            chains.setdefault(table, set()).add(chain)
         try:
-            outlines = self.backend.outlines(tables)
+            outlines = self.backend.builtin_outlines(chains)
         except IptablesError as err:
             log.warning("could not read the jumps in place: %s", err)
             outlines = {}
