@@ -12,9 +12,11 @@ import pytest
 
 from kproxy.dataplane.facts import NodeFacts
 from kproxy.dataplane.iptables.backend import (
+    BUILTIN_CHAINS,
     IptablesBackend,
     IptablesError,
     RestoreError,
+    TableOutline,
     command_wait_flags,
     detect_backend,
     outline_save,
@@ -292,6 +294,59 @@ def test_outline_keeps_chains_and_builtin_rules_only() -> None:
     assert len(fake.calls) == 1, "legacy reads every table from one save"
 
 
+NFT_CHAINS = """table ip filter {
+	chain INPUT {
+		type filter hook input priority filter; policy accept;
+	}
+	chain KUBE-FIREWALL {
+	}
+}
+table ip nat {
+	chain PREROUTING {
+		type nat hook prerouting priority dstnat; policy accept;
+	}
+	chain KUBE-SERVICES {
+	}
+	chain "KUBE-SVC-X" {
+	}
+}
+table ip kube-proxy {
+	chain service-ABC-ns/web/tcp/http {
+	}
+}
+"""
+
+
+def test_nft_outlines_list_chain_names_and_read_builtin_chains_only() -> None:
+    fake = FakeRunner()
+    fake.on(has("nft", "list", "chains", "ip"), out=NFT_CHAINS)
+    fake.on(
+        has("-S", "PREROUTING"),
+        out='-P PREROUTING ACCEPT\n-A PREROUTING -m comment --comment "kubernetes service'
+        ' portals" -j KUBE-SERVICES\n',
+    )
+    fake.on(has("-S", "INPUT"), out="-P INPUT ACCEPT\n-A INPUT -j KUBE-FIREWALL\n")
+    got = IptablesBackend("nft", runner=fake).outlines(("nat", "filter", "mangle"))
+    expected = outline_save(SAVE)
+    for table in ("nat", "filter"):
+        assert got[table].chains == expected[table].chains
+        assert got[table].builtin_rules == expected[table].builtin_rules
+    assert got["mangle"] == TableOutline()
+    listed = [argv for argv, _ in fake.calls if "-S" in argv]
+    assert sorted(a[-1] for a in listed) == ["INPUT", "PREROUTING"], "only existing built-ins"
+    assert not any("iptables-nft-save" in argv for argv, _ in fake.calls)
+
+
+def test_nft_outlines_fall_back_to_saves_without_nft() -> None:
+    fake = FakeRunner()
+    fake.on(has("nft", "list"), rc=127, err="No such file or directory: 'nft'\n")
+    fake.on(has("iptables-nft-save", "nat"), out=SAVE.split("*nat")[0].split("*filter")[0])
+    fake.on(has("iptables-nft-save", "filter"), out="*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n")
+    got = IptablesBackend("nft", runner=fake).outlines(("nat", "filter"))
+    assert got["filter"].chains == {"INPUT"}
+    assert sum("iptables-nft-save" in argv for argv, _ in fake.calls) == 2
+
+
 def test_rule_spec_unquotes_comments() -> None:
     assert rule_spec('-A PREROUTING -m comment --comment "kubernetes service portals" -j X') == [
         "PREROUTING",
@@ -441,6 +496,12 @@ def test_our_jumps_print_in_the_save_exactly_as_we_write_them(
     for table, rules in wanted.items():
         for rule in rules:
             assert f"-A {rule}" in outlines[table].builtin_rules, (table, rule)
+    # nft reads the outline from `nft list chains` and `iptables -S`: the same as the saves.
+    from_saves = outline_save(backend.save("nat") + backend.save("filter"))
+    for table in wanted:
+        assert outlines[table].builtin_rules == from_saves[table].builtin_rules
+        user_chains = {c for c in from_saves[table].chains if c not in BUILTIN_CHAINS}
+        assert user_chains <= outlines[table].chains
 
 
 @kernel

@@ -1,4 +1,5 @@
-"""A large full sync on the nft backend, loaded in pieces, into a fresh and a live node."""
+"""Full syncs in the kernel: the nft backend loading a large sync in pieces into a fresh and a
+live node; the legacy backend repairing drift after a resync."""
 
 from __future__ import annotations
 
@@ -56,3 +57,24 @@ def test_pieces_load_into_a_fresh_node_then_resync_and_change(netns: str) -> Non
     result = plane.sync(snapshot_from_objects(objects(n, first_ep=100), "node1"), full=True)
     assert result.stale_removed == 2 * n
     assert backend.save("nat").count(":KUBE-SEP-") == 2 * n
+
+
+def test_legacy_resync_repairs_what_was_changed_behind_its_back(netns: str) -> None:
+    """The legacy resync reads the tables while its restore runs; what drifted (a deleted
+    jump, a leftover chain of kube-proxy's shape) is repaired right after, in the kernel."""
+    backend = IptablesBackend("legacy", netns=netns)
+    plane = IptablesDataplane(backend, NodeFacts(node_ips=("10.100.0.1",)), RuleOptions())
+    snap = snapshot_from_objects(objects(20), "node1")
+    plane.sync(snap, full=True)
+    ipt = ["ip", "netns", "exec", netns, "iptables-legacy", "-t", "nat"]
+    jump = ["-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"]
+    subprocess.run([*ipt, "-D", "PREROUTING", *jump], check=True)
+    subprocess.run([*ipt, "-N", "KUBE-SEP-AAAAAAAAAAAAAAAA"], check=True)
+    result = plane.sync(snap, full=True)
+    assert result.pieces == 2 and result.stale_removed == 1
+    nat = backend.save("nat")
+    assert '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES' in nat
+    assert "KUBE-SEP-AAAAAAAAAAAAAAAA" not in nat
+    assert nat.count("-A KUBE-SERVICES ") == 21
+    # Nothing drifted since: the next resync is one restore.
+    assert plane.sync(snap, full=True).pieces == 1

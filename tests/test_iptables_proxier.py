@@ -315,3 +315,70 @@ def test_partial_sync_after_a_pod_cidr_change_rewrites_every_service(tmp_path: P
     assert result.rewritten == 2, "every service's masquerade rule names the pod CIDR"
     data = backend.restores[-1]
     assert "10.244.7.0/24" in data and "10.244.1.0/24" not in data
+
+
+PORTALS_JUMP = 'PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES'
+
+
+def test_legacy_resync_reads_the_tables_beside_its_restore_and_finds_no_drift() -> None:
+    backend = FakeBackend("legacy")
+    plane = IptablesDataplane(backend, NodeFacts(), RuleOptions())  # type: ignore[arg-type]
+    t = tracker_with(*svc(1), *svc(2))
+    first = plane.sync(t.snapshot(), full=True)
+    assert f"-I {PORTALS_JUMP}" in backend.restores[-1], "the first sync adds the jumps"
+    assert first.pieces == 1
+    backend.restores.clear()
+    result = plane.sync(t.snapshot(), full=True)
+    assert result.full and result.pieces == 1 and result.stale_removed == 0
+    (data,) = backend.restores
+    assert "-I PREROUTING" not in data, "the jumps were in place: none written again"
+    assert data.count(":KUBE-SVC-") == 2, "every service chain is still rewritten"
+
+
+def test_legacy_resync_repairs_a_removed_jump_and_a_foreign_stale_chain_after_its_restore() -> None:
+    backend = FakeBackend("legacy")
+    plane = IptablesDataplane(backend, NodeFacts(), RuleOptions())  # type: ignore[arg-type]
+    t = tracker_with(*svc(1))
+    plane.sync(t.snapshot(), full=True)
+    # Behind kproxy's back: someone deletes the portals jump and leaves a chain of
+    # kube-proxy's shape (e.g. an upstream kube-proxy that ran here before).
+    backend.rules_present.discard(("nat", PORTALS_JUMP))
+    backend.nat_chains.add("KUBE-SEP-AAAAAAAAAAAAAAAA")
+    backend.restores.clear()
+    result = plane.sync(t.snapshot(), full=True)
+    main, repair = backend.restores
+    assert "-I PREROUTING" not in main
+    assert f"-I {PORTALS_JUMP}" in repair and "-X KUBE-SEP-AAAAAAAAAAAAAAAA" in repair
+    assert "KUBE-SVC-" not in repair, "the repair touches only what drifted"
+    assert result.stale_removed == 1 and result.pieces == 2
+    assert ("nat", PORTALS_JUMP) in backend.rules_present
+    assert "KUBE-SEP-AAAAAAAAAAAAAAAA" not in backend.nat_chains
+    # The next partial sync trusts the repaired state.
+    apply(t, svc(1, first=30)[1])
+    assert not plane.sync(t.snapshot(), full=False).full
+
+
+def test_legacy_resync_that_cannot_read_the_tables_makes_the_next_sync_check_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kproxy.dataplane.iptables.backend import IptablesError
+
+    backend = FakeBackend("legacy")
+    plane = IptablesDataplane(backend, NodeFacts(), RuleOptions())  # type: ignore[arg-type]
+    t = tracker_with(*svc(1))
+    plane.sync(t.snapshot(), full=True)
+    real_outlines = backend.outlines
+
+    def broken(tables: Sequence[str]) -> dict[str, TableOutline]:
+        raise IptablesError("iptables-legacy-save failed with exit code 1: boom")
+
+    backend.outlines = broken  # type: ignore[method-assign]
+    assert plane.sync(t.snapshot(), full=True).full
+    assert "could not read the tables" in caplog.text
+    backend.outlines = real_outlines  # type: ignore[method-assign]
+    backend.rules_present.discard(("nat", PORTALS_JUMP))
+    backend.restores.clear()
+    result = plane.sync(t.snapshot(), full=False)
+    assert result.full, "unverified: the next sync is full"
+    (data,) = backend.restores
+    assert f"-I {PORTALS_JUMP}" in data, "and reads the tables before its restore"

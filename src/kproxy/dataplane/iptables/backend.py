@@ -260,6 +260,12 @@ def parse_save(text: str) -> dict[str, TableDump]:
 
 
 BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
+BUILTIN_CHAINS_OF = {
+    "filter": ("INPUT", "FORWARD", "OUTPUT"),
+    "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
+    "mangle": ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"),
+    "raw": ("PREROUTING", "OUTPUT"),
+}
 
 
 @dataclass(slots=True)
@@ -295,6 +301,21 @@ def outline_save(text: str) -> dict[str, TableOutline]:
         for pattern in _BUILTIN_RULE_RES:
             outline.builtin_rules.update(r.rstrip() for r in pattern.findall(text, start, end))
     return tables
+
+
+_NFT_TABLE_RE = re.compile(r"^table \S+ (\S+) \{$", re.M)
+_NFT_CHAIN_RE = re.compile(r"^\tchain (\S+) \{$", re.M)
+
+
+def nft_chain_names(text: str) -> dict[str, set[str]]:
+    """Chain names per table from `nft list chains FAMILY` (no rules in that listing)."""
+    found: dict[str, set[str]] = {}
+    starts = list(_NFT_TABLE_RE.finditer(text))
+    for i, m in enumerate(starts):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+        chains = found.setdefault(m.group(1).strip('"'), set())
+        chains.update(c.strip('"') for c in _NFT_CHAIN_RE.findall(text, m.end(), end))
+    return found
 
 
 def rule_chain(rule: str) -> str:
@@ -482,12 +503,36 @@ class IptablesBackend:
         return set(dump.chains) if dump else set()
 
     def outlines(self, tables: Sequence[str]) -> dict[str, TableOutline]:
-        """Chains and built-in rules of `tables` from as few saves as the flavour allows
-        (legacy: one save of everything, which it does anyway; nft: one per table)."""
+        """Chains and built-in rules of `tables`, read as cheaply as the flavour allows.
+        legacy: one save of everything (the kernel hands over whole table blobs anyway).
+        nft: the chain names from `nft list chains`, which lists no rules, and the built-in
+        chains' rules from `iptables -S CHAIN` (5,000 services: 0.4 s, where the saves of
+        nat and filter take 4.5 s, since iptables-nft-save fetches every chain's rules even
+        for the 28 lines of filter); the saves only when nft is not there."""
+        if self.flavour == "nft":
+            listed = self._nft_chains()
+            if listed is not None:
+                out: dict[str, TableOutline] = {}
+                for table in tables:
+                    outline = out[table] = TableOutline(chains=listed.get(table, set()))
+                    for chain in BUILTIN_CHAINS_OF.get(table, ()):
+                        if chain in outline.chains:
+                            outline.builtin_rules.update(self.list_chain(table, chain) or ())
+                return out
         legacy = self.flavour == "legacy"
         text = self.save() if legacy else "".join(self.save(t) for t in tables)
         found = outline_save(text)
         return {t: found.get(t, TableOutline()) for t in tables}
+
+    def _nft_chains(self) -> dict[str, set[str]] | None:
+        """Chain names per table of this family's iptables-nft tables, or None when nft
+        cannot list them (not installed, too old)."""
+        argv = ["nft", "list", "chains", "ip" if self.family == "ipv4" else "ip6"]
+        proc = self._run(argv)
+        if proc.returncode != 0:
+            log.debug("nft cannot list chains (%s); reading saves", proc.stderr.strip())
+            return None
+        return nft_chain_names(proc.stdout)
 
     def builtin_outlines(self, chains: Mapping[str, Iterable[str]]) -> dict[str, TableOutline]:
         """The rules of some built-in chains per table (where the jumps into ours are),

@@ -15,7 +15,12 @@ from collections.abc import Callable
 
 from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.iptables import names
-from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError, rule_chain
+from kproxy.dataplane.iptables.backend import (
+    BUILTIN_CHAINS_OF,
+    IptablesBackend,
+    IptablesError,
+    rule_chain,
+)
 
 log = logging.getLogger("kproxy.iptables.cleanup")
 
@@ -196,12 +201,6 @@ def cleanup(
 
 
 # Where jumps into our chains can sit, per table (the chains `iptables -S` lists cheaply).
-BUILTIN_CHAINS_OF = {
-    "filter": ("INPUT", "FORWARD", "OUTPUT"),
-    "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
-    "mangle": ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"),
-    "raw": ("PREROUTING", "OUTPUT"),
-}
 NETLINK_BATCH = 2000  # messages per nfnetlink batch (~120 KB, under the socket's limit)
 
 
