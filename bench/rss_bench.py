@@ -78,7 +78,20 @@ def prepare_files(workdir: Path, size: int) -> tuple[Path, Path]:
     return source, config
 
 
+NFTABLES_MODE = "nftables"
+
+
+def _mode_args(flavour: str) -> list[str]:
+    """kproxy run's arguments for a measured flavour: an iptables backend (iptables mode)
+    or "nftables" (nftables mode)."""
+    if flavour == NFTABLES_MODE:
+        return ["--proxy-mode", NFTABLES_MODE]
+    return ["--iptables-backend", flavour]
+
+
 def measure(flavour: str, size: int, workdir: Path, log: Callable[[str], None]) -> RssFigures:
+    """RSS of `kproxy run` at `size` services; flavour: "nft" or "legacy" (iptables mode on
+    that backend) or "nftables" (nftables mode)."""
     source, config = prepare_files(workdir, size)
     fig = RssFigures(flavour, size)
     try:
@@ -131,8 +144,7 @@ def _run_once(
                 str(state),
                 "--node-ip",
                 workload.NODE_IP,
-                "--iptables-backend",
-                fig.backend,
+                *_mode_args(fig.backend),
             ],
         )
         with logfile.open("w") as out:
