@@ -200,7 +200,6 @@ def cleanup(
     return done + [o for o in owned if o not in done]
 
 
-# Where jumps into our chains can sit, per table (the chains `iptables -S` lists cheaply).
 NETLINK_BATCH = 2000  # messages per nfnetlink batch (~120 KB, under the socket's limit)
 
 
