@@ -316,8 +316,8 @@ def test_nft_outlines_list_chain_names_and_read_builtin_chains_only(
         assert got[table].chains == expected[table].chains
         assert got[table].builtin_rules == expected[table].builtin_rules
     assert got["mangle"] == TableOutline()
-    listed = [argv for argv, _ in fake.calls if "-S" in argv]
-    assert sorted(a[-1] for a in listed) == ["INPUT", "PREROUTING"], "only existing built-ins"
+    read = [argv for argv, _ in fake.calls if "-S" in argv]
+    assert sorted(a[-1] for a in read) == ["INPUT", "PREROUTING"], "only existing built-ins"
     assert not any("iptables-nft-save" in argv for argv, _ in fake.calls)
 
 
@@ -479,7 +479,7 @@ def test_our_jumps_print_in_the_save_exactly_as_we_write_them(
     for table, rules in wanted.items():
         for rule in rules:
             assert f"-A {rule}" in outlines[table].builtin_rules, (table, rule)
-    # nft reads the outline from `nft list chains` and `iptables -S`: the same as the saves.
+    # nft reads the outline from the netlink chain dump and `iptables -S`: the same as the saves.
     from_saves = outline_save(backend.save("nat") + backend.save("filter"))
     for table in wanted:
         assert outlines[table].builtin_rules == from_saves[table].builtin_rules
