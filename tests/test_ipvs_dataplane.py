@@ -4,13 +4,16 @@ virtual servers, excludeCIDRs, detach beside iptables mode, and error reporting.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.ipvs import hold as ipvs_hold
 from kproxy.dataplane.ipvs import names as n
 from kproxy.dataplane.ipvs.plan import VSKey
 from kproxy.dataplane.ipvs.proxier import IpvsDataplane
@@ -360,3 +363,115 @@ def test_cleanup_beside_iptables_mode_removes_only_ipvs_only_chains(parts: Any) 
     ]
     (restore,) = ipt.restores
     assert "-X KUBE-SERVICES" not in restore and "-X KUBE-FORWARD" not in restore
+
+
+# --- retire: the datagram flows of UDP virtual servers (ipvs/hold.py) --------------------------
+
+UDP = VSKey("UDP", VIP, 80)
+
+
+def retiring(parts: Any, monkeypatch: pytest.MonkeyPatch, *, holds: bool) -> list[str]:
+    """A synced UDP service with a flow, retire()d; the events of its datagram handling."""
+    ipvs, *_ = parts
+    dp = make(parts)
+    dp.sync(snap(*objects(proto="UDP")), full=True)
+    ipvs.add_dest(UDP, PODS[0], 8080, active=0, inactive=1)
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def held(backend: Any, netns: Any, keys: list[VSKey]) -> Iterator[object | None]:
+        events.append(f"hold {' '.join(map(str, keys))}" if holds else "no hold")
+        yield object() if holds else None
+        events.append("release")
+
+    real_delete = ipvs.delete_services
+
+    def delete_services(keys: Any) -> Any:
+        keys = list(keys)
+        events.append(f"delete {' '.join(map(str, keys))}")
+        return real_delete(keys)
+
+    def forget(keys: list[VSKey]) -> int:
+        events.append(f"forget {' '.join(map(str, keys))}")
+        return 1
+
+    monkeypatch.setattr(ipvs_hold, "held", held)
+    monkeypatch.setattr(ipvs_hold, "REPLY_GRACE", 0.0)
+    monkeypatch.setattr(
+        ipvs_hold, "wait_expired", lambda keys, conns: events.append("ipvs entries gone") or True
+    )
+    monkeypatch.setattr(ipvs, "delete_services", delete_services)
+    monkeypatch.setattr(dp, "_forget_datagram_flows", forget)
+    removed, draining = dp.retire()
+    assert draining.done and UDP not in ipvs.services_
+    return events
+
+
+def test_retire_holds_datagrams_while_ipvs_lets_go_of_their_flows(
+    parts: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The conntrack entries go only once IPVS expired its own (which deletes the entry of
+    # the flow's tuple, whoever's it is by then); datagrams wait in the queue meanwhile.
+    assert retiring(parts, monkeypatch, holds=True) == [
+        f"hold {UDP}",
+        f"delete {UDP}",
+        "ipvs entries gone",
+        f"forget {UDP}",
+        "release",
+    ]
+
+
+def test_retire_without_a_hold_forgets_the_flows_before_the_servers_go(
+    parts: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert retiring(parts, monkeypatch, holds=False) == [
+        "no hold",
+        f"forget {UDP}",
+        f"delete {UDP}",
+        "release",
+    ]
+
+
+def test_retire_holds_nothing_for_udp_servers_without_flows(
+    parts: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ipvs, *_ = parts
+    dp = make(parts)
+    dp.sync(snap(*objects(proto="UDP")), full=True)
+    calls: list[list[VSKey]] = []
+
+    @contextlib.contextmanager
+    def held(backend: Any, netns: Any, keys: list[VSKey]) -> Iterator[None]:
+        calls.append(list(keys))
+        yield None
+
+    monkeypatch.setattr(ipvs_hold, "held", held)
+    monkeypatch.setattr(dp, "_forget_datagram_flows", lambda keys: len(keys))
+    dp.retire()
+    assert calls == [[]] and UDP not in ipvs.services_
+
+
+def test_hold_rules_queue_before_conntrack_and_pass_without_a_listener() -> None:
+    text = ipvs_hold.hold_input([UDP, VSKey("SCTP", "10.100.0.1", 30053)], "-I")
+    lines = text.splitlines()
+    assert lines[0] == "*raw" and lines[-1] == "COMMIT"
+    assert lines[1] == (
+        f'-I PREROUTING -d {VIP}/32 -p udp -m udp --dport 80 -m comment --comment "'
+        f'{ipvs_hold.HOLD_COMMENT}" -j NFQUEUE --queue-num {ipvs_hold.HOLD_QUEUE} --queue-bypass'
+    )
+    assert [ln.split()[1] for ln in lines[1:-1]] == ["PREROUTING"] * 2 + ["OUTPUT"] * 2
+    assert "-p sctp -m sctp --dport 30053" in lines[2]
+    assert ipvs_hold.hold_input([UDP], "-D").splitlines()[1].startswith("-D PREROUTING ")
+
+
+def test_hold_rules_a_crash_left_are_ipvs_leftovers() -> None:
+    from kproxy.dataplane.ipvs.cleanup import ipvs_iptables_objects
+
+    rule = ipvs_hold.hold_input([UDP], "-A").splitlines()[1]
+    ipt = FakeIptables(
+        save_text=f"*raw\n:PREROUTING ACCEPT [0:0]\n{rule}\n-A PREROUTING -j CT --notrack\nCOMMIT\n"
+    )
+    found = ipvs_iptables_objects(ipt.backend())
+    assert [(o.kind, o.where, o.name) for o in found] == [
+        ("iptables-rule", "iptables-legacy raw", rule)
+    ]

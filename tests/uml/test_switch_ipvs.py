@@ -56,6 +56,8 @@ USERSPACE_CHAINS = (
     "KUBE-NODEPORT-HOST",
     "KUBE-NODEPORT-NON-LOCAL",
 )
+# Logged when datagrams waited while a retiring ipvs mode's UDP virtual server went.
+HELD = "while ipvs let go of their flows"
 STEPS = ["check", "snapshot", "anchor", "program", "verify", "cut-over", "remove"]
 
 
@@ -324,6 +326,8 @@ def test_ipvs_to_userspace_and_back_keeps_the_connections_ipvs_set_up(switch_nod
         log = f.read()
     # The UDP flow went through a worker: its redirect is forgotten before the workers go.
     assert "conntrack entries of UDP flows to the workers" in log, log[-3000:]
+    # Out of ipvs, the UDP flow's datagrams waited while IPVS let go of it (ipvs/hold.py).
+    assert HELD in log, log[-3000:]
     assert "stopped reaping with draining 1 virtual servers" in log, log[-3000:]
     assert "drained after" not in log, "the reaper deleted what the new ipvs mode adopted"
 
@@ -360,9 +364,10 @@ def test_ipvs_to_iptables_keeps_connections_ipvs_set_up(switch_node: Node) -> No
         result.pings_failed[:5],
         result.fresh_failed[:5],
     )
-    # The UDP flow keeps its 5-tuple: IpvsDataplane.retire() clears its conntrack entry
-    # before its virtual server goes, so the next datagram takes the new mode's DNAT.
+    # The UDP flow keeps its 5-tuple: IpvsDataplane.retire() holds its datagrams while its
+    # virtual server and conntrack entries go, then the next one takes the new mode's DNAT.
     assert result.udp_failed == [], (result.summary(), result.udp_failed[:5])
+    assert HELD in proxy.log_tail(60), proxy.log_tail(60)
     # The streams close (their agent exits): the reaper deletes what it kept.
     lab.agent(lab.client_ns[-1]).close()
     assert wait_for(lambda: leftovers(lab) == [], 15), (

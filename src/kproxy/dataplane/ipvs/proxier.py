@@ -38,7 +38,7 @@ import os
 import platform
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -55,6 +55,7 @@ from kproxy.dataplane.iptables.backend import (
 )
 from kproxy.dataplane.ipvs import cleanup as ipvs_cleanup
 from kproxy.dataplane.ipvs import drain as ipvs_drain
+from kproxy.dataplane.ipvs import hold as ipvs_hold
 from kproxy.dataplane.ipvs import names as n
 from kproxy.dataplane.ipvs import netlink as nl
 from kproxy.dataplane.ipvs.dummy import DummyDevice
@@ -66,10 +67,6 @@ from kproxy.model.objects import Snapshot
 
 log = logging.getLogger("kproxy.ipvs")
 
-# Seconds between forgetting the conntrack entries of UDP/SCTP flows through a retiring
-# virtual server and deleting it (see retire): a lab datagram's round trip is ~1 ms, a busy
-# node's DNS answer can take far longer, and the wait only happens when there were flows.
-DATAGRAM_REPLY_GRACE = 0.25
 FRESH_DUMP_LIMIT = 16  # above this many virtual servers, read /proc/net/ip_vs once instead
 FAILED_RESTORE = "ipvs-iptables-failed-restore.txt"
 
@@ -631,14 +628,7 @@ class IpvsDataplane:
         draining = ipvs_drain.Draining(self.netns)
         draining.servers = ipvs_drain.busy(keys, dests, draining.conns or dict)
         idle = [k for k in keys if k not in draining.servers]
-        datagram = [k for k in idle if k.protocol != "TCP"]
-        if self._forget_datagram_flows(datagram):
-            # A reply to a datagram IPVS forwarded just before may still be on its way: it
-            # needs the virtual server's connection entry to be translated back.
-            time.sleep(DATAGRAM_REPLY_GRACE)
-        for req, code in self.ipvs.delete_services(idle):
-            if code not in (errno.ENOENT, errno.ESRCH):
-                log.warning("%s failed: %s", req.what, os.strerror(code))
+        self._delete_idle(idle, dests, draining)
         removed = [o for o in owned if by_name.get(o.name) not in draining.servers]
         chains = ipvs_cleanup.ipvs_iptables_objects(self.backend)
         if chains:
@@ -654,6 +644,34 @@ class IpvsDataplane:
         self._applied_iptables = None
         self._graceful = {}
         return removed, draining
+
+    def _delete_idle(
+        self,
+        idle: list[VSKey],
+        dests: Mapping[VSKey, list[KernelDest]] | None,
+        draining: ipvs_drain.Draining,
+    ) -> None:
+        """Delete the idle virtual servers; the datagram flows of UDP/SCTP ones move to the
+        new mode with their datagrams held meanwhile (ipvs/hold.py)."""
+        flowing = [
+            k
+            for k in idle
+            if k.protocol != "TCP"
+            and (dests is None or any(d.active or d.inactive for d in dests.get(k, [])))
+        ]
+        with ipvs_hold.held(self.backend, self.netns, flowing) as hold:
+            if hold is not None:
+                # Replies to datagrams IPVS forwarded before the hold come back through it.
+                time.sleep(ipvs_hold.REPLY_GRACE)
+            elif self._forget_datagram_flows(flowing):
+                time.sleep(ipvs_hold.REPLY_GRACE)
+            for req, code in self.ipvs.delete_services(idle):
+                if code not in (errno.ENOENT, errno.ESRCH):
+                    log.warning("%s failed: %s", req.what, os.strerror(code))
+            if hold is not None:
+                assert draining.conns is not None
+                ipvs_hold.wait_expired(flowing, draining.conns)
+                self._forget_datagram_flows(flowing)
 
     def _forget_datagram_flows(self, keys: Iterable[VSKey]) -> int:
         """Delete the conntrack entries of UDP/SCTP flows to virtual servers about to go.
