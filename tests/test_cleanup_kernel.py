@@ -155,3 +155,30 @@ def test_nft_cleanup_over_netlink_alone_removes_what_the_save_lists(netns: str) 
     assert "-A INPUT -j KUBE-FIREWALL" in rules and "-A OUTPUT -j OTHER-NAT" in rules
     assert "KUBE-SERVICES" not in rules
     assert remove_over_netlink(backend) == ([], True)
+
+
+def test_nft_cleanup_skips_the_chain_dump_without_iptables_nft_tables(
+    netns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An nftables-mode node: its own table's chains are the whole chain dump (3.5 s at
+    10,000 services), and iptables-nft has no table to clean."""
+    from kproxy.dataplane.iptables.backend import IptablesBackend
+    from kproxy.dataplane.iptables.cleanup import remove_over_netlink
+    from kproxy.dataplane.nftables.netlink import NftNetlink
+
+    dumps: list[str] = []
+    real = NftNetlink.chains_by_table
+
+    def counted(self: NftNetlink) -> dict[str, list[str]]:
+        dumps.append("chains")
+        return real(self)
+
+    monkeypatch.setattr(NftNetlink, "chains_by_table", counted)
+    nft = "table ip kube-proxy {\n chain services {\n  type nat hook prerouting priority -100\n }\n}\n"
+    assert run_in(netns, "nft", "-f", "-", input=nft).returncode == 0
+    backend = IptablesBackend("nft", netns=netns)
+    assert remove_over_netlink(backend) == ([], True) and dumps == []
+    loaded = run_in(netns, "iptables-nft-restore", "--noflush", input=UPSTREAM_STATE)
+    assert loaded.returncode == 0, loaded.stderr
+    removed, _complete = remove_over_netlink(backend)
+    assert dumps == ["chains"] and removed

@@ -232,3 +232,19 @@ def test_redirected_flow_filters_pick_only_flows_answered_by_a_listener() -> Non
         ),
         DeleteFilter("udp", orig_dst="10.96.0.53", orig_dport=53, reply_src="10.100.0.1"),
     ]
+
+
+def test_leftover_cleanup_leaves_the_chains_to_the_iptables_cleanup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a node serving another mode the iptables cleanup of both backends removes the
+    userspace chains first; reading them again here cost two iptables-nft-saves."""
+    from kproxy.dataplane.iptables import cleanup as iptables_cleanup
+    from kproxy.dataplane.userspace.proxier import clean_userspace_leftovers
+
+    def no_read(*args: object, **kwargs: object) -> list[object]:
+        raise AssertionError("iptables read by the userspace leftover cleanup")
+
+    monkeypatch.setattr(iptables_cleanup, "owned_state", no_read)
+    found = clean_userspace_leftovers(tmp_path / "state", dry_run=True)
+    assert [o for o in found if o.kind.startswith("iptables")] == []

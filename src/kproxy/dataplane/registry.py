@@ -43,7 +43,10 @@ def create_dataplane(
         from kproxy.dataplane.nftables.proxier import NftablesDataplane
 
         NftablesDataplane.check()
-        facts = detect_node_facts(node_ips=node_ips)
+        # No iptables backend detection: nftables mode writes no iptables rule, and the
+        # detection's iptables-nft-save reads the whole ip family, this mode's own table
+        # included (1.6 s at 10,000 services, on every restart).
+        facts = detect_node_facts(backend=IptablesBackend("nft"), node_ips=node_ips)
         return NftablesDataplane(facts, options, state_dir=state_dir), facts
     if mode == "userspace":
         from kproxy.dataplane.userspace.proxier import create_userspace_dataplane

@@ -210,7 +210,8 @@ def remove_over_netlink(
     10,000 services `iptables-nft-save` takes 8-14 s and `iptables-nft-restore` of the
     flush-and-delete input ~90 s; here the chain names come from one netlink dump, the
     jumps from the built-in chains' own listings, and the chains go in nfnetlink batches
-    (flush every chain, then delete them): ~5 s. Not one transaction: an interruption
+    (flush every chain, then delete them): ~5 s; only a table listing where iptables-nft
+    has no table at all (an nftables-mode node). Not one transaction: an interruption
     leaves the rest for the next cleanup. Returns what it removed and whether that is
     all; not all when this way does not work here (a chain still referenced from a chain
     that stays, no netlink): the caller then takes the save-based way for what is left."""
@@ -233,6 +234,11 @@ def remove_over_netlink(
     complete = False
     try:
         going: dict[str, list[str]] = {}
+        # The chain dump carries every chain of the family, an nftables-mode node's
+        # 110,000 included (3.5 s at 10,000 services); the table dump is tiny.
+        tables = {name for family, name in client.list_tables() if family == client.family}
+        if not tables & set(TABLES):
+            return [], True
         listed = client.chains_by_table()
         for table in TABLES:
             found = [c for c in listed.get(table, []) if is_owned_chain(c) and not kept(c)]

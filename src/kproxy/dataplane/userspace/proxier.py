@@ -351,11 +351,12 @@ class UserspaceDataplane:
                 raise SyncError(f"could not detach userspace mode: {err}") from err
         self._rules = None  # the next sync is full and puts the jumps back
 
-    def owned(self) -> list[OwnedObject]:
+    def owned(self, *, rules: bool = True) -> list[OwnedObject]:
+        """Its chains and jumps (unless not rules), workers and policy route."""
         from kproxy.dataplane.iptables.cleanup import _target, owned_state
 
         found = []
-        for obj in owned_state(self.backend):
+        for obj in owned_state(self.backend) if rules else ():
             name = _target(obj.name) if obj.kind == "iptables-rule" else obj.name
             if name in OUR_CHAINS:
                 found.append(obj)
@@ -389,11 +390,12 @@ class UserspaceDataplane:
             )
         return found
 
-    def cleanup(self, *, dry_run: bool = False) -> list[OwnedObject]:
-        """Rules first (nothing new is steered to the workers), then workers, then routes."""
+    def cleanup(self, *, dry_run: bool = False, rules: bool = True) -> list[OwnedObject]:
+        """Rules first (nothing new is steered to the workers), then workers, then routes.
+        rules=False: the chains are someone else's to remove (they went already)."""
         from kproxy.dataplane.iptables.cleanup import cleanup_input
 
-        owned = self.owned()
+        owned = self.owned(rules=rules)
         if dry_run:
             return owned
         ipt = [o for o in owned if o.kind.startswith("iptables")]
@@ -513,14 +515,15 @@ def clean_userspace_leftovers(
     state_dir: Path, *, netns: str | None = None, dry_run: bool = False
 ) -> list[OwnedObject]:
     """What a node running another mode should remove of userspace mode, for leftovers.py:
-    the workers of `state_dir` and the policy route (the iptables cleanup already removes
-    the chains, they are upstream's userspace chains); rules first, then workers."""
-    from kproxy.dataplane.iptables.backend import detect_backend
-
-    backend = IptablesBackend(detect_backend(netns), netns=netns)
+    the workers of `state_dir` and the policy route. Not the chains: they are upstream's
+    userspace chains, which the iptables cleanup of both backends removes (and lists)
+    before this runs; reading them again cost two iptables-nft-saves, seconds each on a
+    large node (iptables-nft fetches every table of the family, nftables mode's too)."""
+    # The backend is only the namespace here: nothing of iptables is read or written.
+    backend = IptablesBackend("legacy", netns=netns)
     dp = UserspaceDataplane(backend, NodeFacts(), RuleOptions(), state_dir=state_dir)
     try:
-        return dp.cleanup(dry_run=dry_run)
+        return dp.cleanup(dry_run=dry_run, rules=False)
     finally:
         dp.close()
 
