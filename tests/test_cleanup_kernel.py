@@ -174,7 +174,7 @@ def test_nft_cleanup_skips_the_chain_dump_without_iptables_nft_tables(
         return real(self)
 
     monkeypatch.setattr(NftNetlink, "chains_by_table", counted)
-    nft = "table ip kube-proxy {\n chain services {\n  type nat hook prerouting priority -100\n }\n}\n"
+    nft = "table ip kube-proxy {\n chain services {\n type nat hook prerouting priority 0\n }\n}\n"
     assert run_in(netns, "nft", "-f", "-", input=nft).returncode == 0
     backend = IptablesBackend("nft", netns=netns)
     assert remove_over_netlink(backend) == ([], True) and dumps == []

@@ -370,7 +370,9 @@ def test_cleanup_beside_iptables_mode_removes_only_ipvs_only_chains(parts: Any) 
 UDP = VSKey("UDP", VIP, 80)
 
 
-def retiring(parts: Any, monkeypatch: pytest.MonkeyPatch, *, holds: bool) -> list[str]:
+def retiring(
+    parts: Any, monkeypatch: pytest.MonkeyPatch, *, holds: bool, expired: bool = True
+) -> list[str]:
     """A synced UDP service with a flow, retire()d; the events of its datagram handling."""
     ipvs, *_ = parts
     dp = make(parts)
@@ -397,9 +399,12 @@ def retiring(parts: Any, monkeypatch: pytest.MonkeyPatch, *, holds: bool) -> lis
 
     monkeypatch.setattr(ipvs_hold, "held", held)
     monkeypatch.setattr(ipvs_hold, "REPLY_GRACE", 0.0)
-    monkeypatch.setattr(
-        ipvs_hold, "wait_expired", lambda keys, conns: events.append("ipvs entries gone") or True
-    )
+
+    def wait_expired(keys: Any, conns: Any) -> bool:
+        events.append("ipvs entries gone" if expired else "ipvs entries left")
+        return expired
+
+    monkeypatch.setattr(ipvs_hold, "wait_expired", wait_expired)
     monkeypatch.setattr(ipvs, "delete_services", delete_services)
     monkeypatch.setattr(dp, "_forget_datagram_flows", forget)
     removed, draining = dp.retire()
@@ -410,12 +415,17 @@ def retiring(parts: Any, monkeypatch: pytest.MonkeyPatch, *, holds: bool) -> lis
 def test_retire_holds_datagrams_while_ipvs_lets_go_of_their_flows(
     parts: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The conntrack entries go only once IPVS expired its own (which deletes the entry of
-    # the flow's tuple, whoever's it is by then); datagrams wait in the queue meanwhile.
+    # IPVS deletes the conntrack entry of a flow's tuple (whoever's it is by then) when it
+    # expires its own; datagrams wait in the queue until that is done.
     assert retiring(parts, monkeypatch, holds=True) == [
         f"hold {UDP}",
         f"delete {UDP}",
         "ipvs entries gone",
+        "release",
+    ]
+    # Entries IPVS kept: their conntrack entries go before anything is released.
+    assert retiring(parts, monkeypatch, holds=True, expired=False)[-3:] == [
+        "ipvs entries left",
         f"forget {UDP}",
         "release",
     ]

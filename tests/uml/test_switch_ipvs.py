@@ -367,7 +367,9 @@ def test_ipvs_to_iptables_keeps_connections_ipvs_set_up(switch_node: Node) -> No
     # The UDP flow keeps its 5-tuple: IpvsDataplane.retire() holds its datagrams while its
     # virtual server and conntrack entries go, then the next one takes the new mode's DNAT.
     assert result.udp_failed == [], (result.summary(), result.udp_failed[:5])
-    assert HELD in proxy.log_tail(60), proxy.log_tail(60)
+    held = [ln for ln in proxy.log_tail(60).splitlines() if HELD in ln]
+    assert held, proxy.log_tail(60)
+    print(held[-1])
     # The streams close (their agent exits): the reaper deletes what it kept.
     lab.agent(lab.client_ns[-1]).close()
     assert wait_for(lambda: leftovers(lab) == [], 15), (

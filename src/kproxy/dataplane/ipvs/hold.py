@@ -14,7 +14,8 @@ before IPVS has expired its entries.
 So while the virtual servers that carry datagram flows go, datagrams to them wait in an
 NFQUEUE (raw PREROUTING and OUTPUT: before conntrack): replies to what IPVS forwarded before
 come back through its entries (REPLY_GRACE), the virtual servers go, IPVS expires its
-entries and their conntrack entries, the rest of those conntrack entries go. Released, the
+entries and deletes their conntrack entries (should some outlive EXPIRY_TIMEOUT, kproxy
+deletes the flows' conntrack entries itself). Released, the
 held datagrams are NEW to conntrack and the new mode takes them, REPLY_GRACE and a few
 milliseconds late. Should the hold be impossible (no nfnetlink_queue, the queue taken),
 the switch goes on without it and says so.
@@ -81,6 +82,7 @@ def held(
         yield hold
     finally:
         hold.release()
+        waited = time.monotonic() - began
         try:
             backend.restore(hold_input(keys, "-D"))
         except IptablesError as err:
@@ -91,7 +93,7 @@ def held(
             "held %d datagrams to %d virtual servers for %.0f ms while ipvs let go of their flows",
             hold.held,
             len(keys),
-            (time.monotonic() - began) * 1000,
+            waited * 1000,
         )
 
 

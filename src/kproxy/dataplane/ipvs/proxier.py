@@ -668,9 +668,9 @@ class IpvsDataplane:
             for req, code in self.ipvs.delete_services(idle):
                 if code not in (errno.ENOENT, errno.ESRCH):
                     log.warning("%s failed: %s", req.what, os.strerror(code))
-            if hold is not None:
-                assert draining.conns is not None
-                ipvs_hold.wait_expired(flowing, draining.conns)
+            assert draining.conns is not None
+            if hold is not None and not ipvs_hold.wait_expired(flowing, draining.conns):
+                # IPVS deletes the conntrack entries of the flows it expires; these it kept.
                 self._forget_datagram_flows(flowing)
 
     def _forget_datagram_flows(self, keys: Iterable[VSKey]) -> int:
