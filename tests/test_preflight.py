@@ -282,6 +282,24 @@ def test_schedulers_services_ask_for_are_checked_too(fake: FakeNode) -> None:
     assert [f.subject for f in result.blocking] == ["ip_vs_mh"]
 
 
+def test_leaving_ipvs_without_nfqueue_warns_that_a_udp_reply_may_be_lost(fake: FakeNode) -> None:
+    """The datagram hold of a switch out of ipvs mode (ipvs/hold.py) needs nfnetlink_queue
+    and xt_NFQUEUE; without them the switch goes on, so it is a warning, never a block."""
+    queue = {"nfnetlink_queue", "xt_NFQUEUE"}
+
+    def about_queue(result: PreflightResult) -> list[Finding]:
+        return [f for f in result.findings if f.subject in queue]
+
+    fake.modules(available=IPVS_MODS)
+    hold = about_queue(run(fake, "iptables", families=["kernel"], current_mode="ipvs"))
+    assert {f.subject for f in hold} == queue, [f.to_dict() for f in hold]
+    assert all(f.id == "kernel.module-missing" and f.severity is Severity.WARN for f in hold)
+    assert all("a reply on its way back" in f.why for f in hold)
+    assert not about_queue(run(fake, "iptables", families=["kernel"], current_mode="nftables"))
+    fake.modules(available=(*IPVS_MODS, *queue))
+    assert not about_queue(run(fake, "iptables", families=["kernel"], current_mode="ipvs"))
+
+
 def test_a_module_modprobe_d_disables_blocks(fake: FakeNode) -> None:
     """`install ip_vs_rr /bin/false` (hardening guides do this): the file is there, modprobe
     would not load it. The output is what kmod 30 prints for that line."""

@@ -40,6 +40,7 @@ class Module:
     config: str  # the CONFIG_ symbol that builds it
     purpose: str
     required: bool = True  # False: only some services need it (a warning when missing)
+    consequence: str = ""  # what a missing optional module costs, when not a service's sync
 
 
 _CONNTRACK = (
@@ -92,6 +93,15 @@ _IPVS_MODE = (
 )
 _USERSPACE_MODE = (
     Module("xt_REDIRECT", "NETFILTER_XT_TARGET_REDIRECT", "-j REDIRECT to the proxy sockets"),
+)
+# A switch out of ipvs mode holds datagrams to its UDP/SCTP virtual servers (ipvs/hold.py).
+_HOLD_LOST = (
+    "the switch cannot hold datagrams while IPVS lets go of UDP flows: a reply on its way"
+    " back when a virtual server goes may be lost"
+)
+_LEAVING_IPVS = (
+    Module("nfnetlink_queue", "NETFILTER_NETLINK_QUEUE", "the datagram hold", False, _HOLD_LOST),
+    Module("xt_NFQUEUE", "NETFILTER_XT_TARGET_NFQUEUE", "-j NFQUEUE", False, _HOLD_LOST),
 )
 
 
@@ -328,6 +338,8 @@ def check_modules(ctx: Context) -> list[Finding]:
     km = read_modules(ctx.access)
     scheduler = ctx.target_config.ipvs.scheduler
     mods = required_modules(ctx.target, target_flavour(ctx), scheduler, annotated_schedulers(ctx))
+    if ctx.current_mode == "ipvs" and ctx.target != "ipvs":
+        mods += _LEAVING_IPVS
     _fill_modinfo(ctx.access, km, [m.name for m in mods])
     _dry_run_modprobe(ctx.access, km, mods)
     out: list[Finding] = []
@@ -419,7 +431,7 @@ def _missing(ctx: Context, km: KernelModules, m: Module, facts: dict[str, object
         f"{m.name} ({m.purpose}) is not available: {cause}",
         f"{ctx.target} mode cannot program its rules without it"
         if m.required
-        else f"services that need {m.purpose} fail to sync in {ctx.target} mode",
+        else m.consequence or f"services that need {m.purpose} fail to sync in {ctx.target} mode",
         fix,
         subject=m.name,
         facts=facts,
