@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from kproxy.dataplane.ipvs.hold import HOLD_COMMENT, hold_input
+from kproxy.dataplane.ipvs.plan import VSKey
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from tests.objects import endpoint, endpoint_slice, node, port, service, write
@@ -57,6 +59,12 @@ def test_startup_removes_other_modes_leftovers(lab: Lab, tmp_path: Path) -> None
     sh("iptables-legacy-restore", "--noflush", input=LEGACY_KUBE)
     sh("iptables-nft-restore", "--noflush", input=IPVS_MODE_IN_NFT)
     sh("nft", "-f", "-", input=NFT_TABLES)
+    # A crash during a switch out of ipvs mode left its datagram hold, in both backends.
+    held = hold_input([VSKey("UDP", "10.96.0.53", 53)], "-A")
+    foreign_raw = "-A PREROUTING -p udp -m udp --dport 4789 -j CT --notrack"
+    for flavour in ("legacy", "nft"):
+        sh(f"iptables-{flavour}-restore", "--noflush", input=held)
+        sh(f"iptables-{flavour}", "-t", "raw", *foreign_raw.split())
     # This kernel has no dummy interfaces (UML has; issue "ipvs mode" tests that path): a
     # kube-ipvs0 of another type is not kube-proxy's and must be left alone.
     sh("ip", "link", "add", "kube-ipvs0", "type", "bridge")
@@ -97,6 +105,10 @@ def test_startup_removes_other_modes_leftovers(lab: Lab, tmp_path: Path) -> None
         assert "FOREIGN-NAT" in sh("iptables-nft-save", "-t", "nat")
         assert "KUBE-SERVICES" in sh("iptables-nft-save", "-t", "nat")
         assert "KUBE-" not in sh("iptables-legacy-save")
+        assert text.count("datagram hold") == 4, text  # 2 chains x 2 backends
+        for flavour in ("legacy", "nft"):
+            raw = sh(f"iptables-{flavour}-save", "-t", "raw")
+            assert HOLD_COMMENT not in raw and foreign_raw in raw, (flavour, raw)
         assert "FOREIGN-SET" in sh("ipset", "list", "-n") and "KUBE-" not in sh(
             "ipset", "list", "-n"
         )

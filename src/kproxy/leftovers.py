@@ -12,7 +12,7 @@ import json
 import logging
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
@@ -75,6 +75,7 @@ def clean_leftovers(
                 removed += _not_ipvs_chains(backend, dry_run)
             else:
                 removed += iptables_cleanup(backend, dry_run=dry_run, keep=keep)
+            removed += _datagram_hold_rules(backend, dry_run)
         except IptablesError as err:
             log.warning("could not clean iptables-%s leftovers: %s", flavour, err)
     if mode != "userspace":
@@ -107,6 +108,27 @@ def _not_ipvs_chains(backend: IptablesBackend, dry_run: bool) -> list[OwnedObjec
         return is_ipvs_chain(table, name)
 
     found = [o for o in owned_state(backend) if not ipvs_owned(o)]
+    if found and not dry_run:
+        backend.restore(cleanup_input(found))
+    return found
+
+
+def _datagram_hold_rules(backend: IptablesBackend, dry_run: bool) -> list[OwnedObject]:
+    """What a crash during a switch out of ipvs mode left in raw (ipvs/hold.py), in any
+    mode: outside a switch nothing holds datagrams. Read without side effects and cheaply:
+    `iptables-nft -S CHAIN` creates no table; legacy's raw table is saved only if it exists
+    (a save of a missing legacy table creates it)."""
+    from kproxy.dataplane.iptables.backend import parse_save
+    from kproxy.dataplane.iptables.cleanup import cleanup_input
+    from kproxy.dataplane.ipvs.hold import HOLD_CHAINS, hold_objects
+
+    if backend.flavour == "legacy":
+        names = _run(["cat", "/proc/net/ip_tables_names"], backend.netns).stdout.split()
+        dump = parse_save(backend.save("raw")).get("raw") if "raw" in names else None
+        rules: Iterable[str] = dump.rules if dump is not None else ()
+    else:
+        rules = backend.builtin_outlines({"raw": HOLD_CHAINS})["raw"].builtin_rules
+    found = hold_objects(f"iptables-{backend.flavour}", rules)
     if found and not dry_run:
         backend.restore(cleanup_input(found))
     return found

@@ -35,7 +35,7 @@ from kproxy.dataplane.iptables.backend import (
 )
 from kproxy.dataplane.iptables.cleanup import cleanup_input
 from kproxy.dataplane.ipvs import names as n
-from kproxy.dataplane.ipvs.hold import HOLD_COMMENT
+from kproxy.dataplane.ipvs.hold import hold_objects
 from kproxy.dataplane.ipvs.plan import VSKey
 
 if TYPE_CHECKING:
@@ -172,16 +172,7 @@ def ipvs_iptables_objects(backend: IptablesBackend) -> list[OwnedObject]:
                 OwnedObject("iptables-chain", f"{where} {table}", chain, "a kube-proxy ipvs chain")
             )
     raw = tables.get("raw")
-    for rule in raw.rules if raw is not None else ():
-        if f'"{HOLD_COMMENT}"' in rule:
-            found.append(
-                OwnedObject(
-                    "iptables-rule",
-                    f"{where} raw",
-                    rule,
-                    "kproxy's datagram hold of a switch out of ipvs mode (left by a crash)",
-                )
-            )
+    found += hold_objects(where, raw.rules if raw is not None else ())
     return found
 
 

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError
 from kproxy.dataplane.ipvs.plan import VSKey
 from kproxy.dataplane.nfqueue import PacketHold
@@ -39,6 +40,21 @@ HOLD_COMMENT = "kproxy: datagrams wait while ipvs mode retires"
 HOLD_CHAINS = ("PREROUTING", "OUTPUT")
 REPLY_GRACE = 0.25  # seconds for replies to datagrams IPVS forwarded just before
 EXPIRY_TIMEOUT = 1.0  # IPVS expires the entries of a deleted server's flows within a jiffy
+
+
+def hold_objects(where: str, rules: Iterable[str]) -> list[OwnedObject]:
+    """The hold rules among raw-table rules of `where` ("iptables-legacy"): outside a
+    switch they are what a crash during one left (harmless with --queue-bypass)."""
+    return [
+        OwnedObject(
+            "iptables-rule",
+            f"{where} raw",
+            rule,
+            "kproxy's datagram hold of a switch out of ipvs mode (left by a crash)",
+        )
+        for rule in sorted(rules)
+        if f'"{HOLD_COMMENT}"' in rule
+    ]
 
 
 def hold_input(keys: Iterable[VSKey], verb: str) -> str:
