@@ -8,6 +8,7 @@ import pytest
 
 from kproxy.dataplane.ipvs.hold import HOLD_COMMENT, hold_input
 from kproxy.dataplane.ipvs.plan import VSKey
+from kproxy.dataplane.userspace.render import HANDOFF_COMMENT, HANDOFF_RULE
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from tests.objects import endpoint, endpoint_slice, node, port, service, write
@@ -65,6 +66,8 @@ def test_startup_removes_other_modes_leftovers(lab: Lab, tmp_path: Path) -> None
     for flavour in ("legacy", "nft"):
         sh(f"iptables-{flavour}-restore", "--noflush", input=held)
         sh(f"iptables-{flavour}", "-t", "raw", *foreign_raw.split())
+    # ... and userspace mode's UDP hand-off rule (legacy only: one backend is enough here).
+    sh("iptables-legacy-restore", "--noflush", input=f"*raw\n-I {HANDOFF_RULE}\nCOMMIT\n")
     # This kernel has no dummy interfaces (UML has; issue "ipvs mode" tests that path): a
     # kube-ipvs0 of another type is not kube-proxy's and must be left alone.
     sh("ip", "link", "add", "kube-ipvs0", "type", "bridge")
@@ -106,9 +109,11 @@ def test_startup_removes_other_modes_leftovers(lab: Lab, tmp_path: Path) -> None
         assert "KUBE-SERVICES" in sh("iptables-nft-save", "-t", "nat")
         assert "KUBE-" not in sh("iptables-legacy-save")
         assert text.count("datagram hold") == 4, text  # 2 chains x 2 backends
+        assert text.count("UDP hand-off") == 1, text
         for flavour in ("legacy", "nft"):
             raw = sh(f"iptables-{flavour}-save", "-t", "raw")
             assert HOLD_COMMENT not in raw and foreign_raw in raw, (flavour, raw)
+            assert HANDOFF_COMMENT not in raw, (flavour, raw)
         assert "FOREIGN-SET" in sh("ipset", "list", "-n") and "KUBE-" not in sh(
             "ipset", "list", "-n"
         )

@@ -12,7 +12,7 @@ import json
 import logging
 import shutil
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
@@ -75,7 +75,7 @@ def clean_leftovers(
                 removed += _not_ipvs_chains(backend, dry_run)
             else:
                 removed += iptables_cleanup(backend, dry_run=dry_run, keep=keep)
-            removed += _datagram_hold_rules(backend, dry_run)
+            removed += _switch_raw_rules(backend, dry_run)
         except IptablesError as err:
             log.warning("could not clean iptables-%s leftovers: %s", flavour, err)
     if mode != "userspace":
@@ -113,22 +113,35 @@ def _not_ipvs_chains(backend: IptablesBackend, dry_run: bool) -> list[OwnedObjec
     return found
 
 
-def _datagram_hold_rules(backend: IptablesBackend, dry_run: bool) -> list[OwnedObject]:
-    """What a crash during a switch out of ipvs mode left in raw (ipvs/hold.py), in any
-    mode: outside a switch nothing holds datagrams. Read without side effects and cheaply:
-    `iptables-nft -S CHAIN` creates no table; legacy's raw table is saved only if it exists
-    (a save of a missing legacy table creates it)."""
+def _switch_raw_rules(backend: IptablesBackend, dry_run: bool) -> list[OwnedObject]:
+    """The raw-table rules a crash during a switch left, in any mode (outside a switch
+    nothing uses them): ipvs mode's datagram hold (ipvs/hold.py; harmless with
+    --queue-bypass) and userspace mode's UDP hand-off (NOTRACK for marked replies). Read
+    without side effects and cheaply: `iptables-nft -S CHAIN` creates no table; legacy's
+    raw table is saved only if it exists (a save of a missing legacy table creates it)."""
     from kproxy.dataplane.iptables.backend import parse_save
     from kproxy.dataplane.iptables.cleanup import cleanup_input
     from kproxy.dataplane.ipvs.hold import HOLD_CHAINS, hold_objects
+    from kproxy.dataplane.userspace.render import HANDOFF_COMMENT
 
     if backend.flavour == "legacy":
         names = _run(["cat", "/proc/net/ip_tables_names"], backend.netns).stdout.split()
         dump = parse_save(backend.save("raw")).get("raw") if "raw" in names else None
-        rules: Iterable[str] = dump.rules if dump is not None else ()
+        rules = sorted(dump.rules) if dump is not None else []
     else:
-        rules = backend.builtin_outlines({"raw": HOLD_CHAINS})["raw"].builtin_rules
-    found = hold_objects(f"iptables-{backend.flavour}", rules)
+        rules = sorted(backend.builtin_outlines({"raw": HOLD_CHAINS})["raw"].builtin_rules)
+    where = f"iptables-{backend.flavour}"
+    found = hold_objects(where, rules)
+    found += [
+        OwnedObject(
+            "iptables-rule",
+            f"{where} raw",
+            rule,
+            "kproxy userspace mode's UDP hand-off of a switch (left by a crash)",
+        )
+        for rule in rules
+        if f'"{HANDOFF_COMMENT}"' in rule
+    ]
     if found and not dry_run:
         backend.restore(cleanup_input(found))
     return found

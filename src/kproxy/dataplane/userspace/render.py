@@ -60,10 +60,10 @@ RULE_PRIORITY = 2900
 # SO_MARK of the UDP replies workers send while their flows are handed to the next mode
 # (proxier.py); a raw-table rule keeps them out of conntrack.
 HANDOFF_MARK = 0x00001000
+HANDOFF_COMMENT = "kproxy userspace: UDP replies of flows handed to the next mode"
 HANDOFF_RULE = (
     f"OUTPUT -p udp -m mark --mark {HANDOFF_MARK:#x}/{HANDOFF_MARK:#x}"
-    ' -m comment --comment "kproxy userspace: UDP replies of flows handed to the next mode"'
-    " -j CT --notrack"
+    f' -m comment --comment "{HANDOFF_COMMENT}" -j CT --notrack'
 )
 
 DEFAULT_PORT_RANGE = (20000, 29999)
