@@ -248,3 +248,19 @@ def test_leftover_cleanup_leaves_the_chains_to_the_iptables_cleanup(
     monkeypatch.setattr(iptables_cleanup, "owned_state", no_read)
     found = clean_userspace_leftovers(tmp_path / "state", dry_run=True)
     assert [o for o in found if o.kind.startswith("iptables")] == []
+
+
+def test_remapped_clients_map_the_port_a_worker_sees_to_the_clients_own() -> None:
+    from kproxy.conntrack import ConntrackEntry
+    from kproxy.dataplane.userspace.proxier import remapped_clients
+
+    listeners = [{"port": 28082, "destinations": ["10.96.0.53:53"]}]
+    remapped = ConntrackEntry(
+        "udp", "10.100.0.2", "10.96.0.53", 41053, 53, "10.100.0.1", "10.100.0.2", 28082, 45328
+    )
+    plain = _flow("udp", "10.100.0.3", 41054, "10.96.0.53", 53, "10.100.0.1", 28082)
+    # Another mode's flow, remapped too (masquerade): not a worker's business.
+    foreign = ConntrackEntry(
+        "udp", "10.100.0.4", "10.96.0.99", 5000, 53, "10.244.0.2", "10.100.0.1", 53, 61000
+    )
+    assert remapped_clients([remapped, plain, foreign], listeners) == {"10.100.0.2:45328": 41053}

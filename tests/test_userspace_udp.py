@@ -120,3 +120,47 @@ def test_handoff_replies_keep_the_listener_path_for_several_or_unusable_destinat
         several.close_all()
         broken.close_all()
         endpoint.close()
+
+
+def test_handoff_peers_parse_only_well_formed_entries() -> None:
+    from kproxy.dataplane.userspace.udp import handoff_peers
+
+    raw = {"10.100.0.2:45328": 41053, "bad": 1, "10.0.0.1:x": 2, "10.0.0.1:5": 70000}
+    assert handoff_peers(raw) == {("10.100.0.2", 45328): 41053}
+    assert handoff_peers(None) == {} and handoff_peers(["x"]) == {}
+
+
+@needs_root
+def test_a_handoff_reply_goes_to_the_port_the_client_sent_from(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """conntrack remapped the client's port for the redirect (seen: 41053 -> 45328): an
+    untracked hand-off reply to the port the worker saw would never reach the client."""
+    endpoint, listen, seen, own = udp_socket(), udp_socket(), udp_socket(), udp_socket()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        service_port = probe.getsockname()[1]
+    engine = engine_for(loop, endpoint.getsockname(), (f"127.0.0.1:{service_port}",))
+    try:
+        engine.add_listener(KEY, listen)
+        seen.sendto(b"query", listen.getsockname())  # the worker sees this port
+        engine.drain_listeners()
+        endpoint.settimeout(2)
+        _data, backend = endpoint.recvfrom(100)
+        engine.handoff = True
+        engine.handoff_peers = {seen.getsockname(): own.getsockname()[1]}
+        endpoint.sendto(b"answer", backend)
+        (session,) = engine.sessions.values()
+        deadline = time.monotonic() + 2
+        while engine.stats.replies == 0 and time.monotonic() < deadline:
+            session.on_reply()
+        own.settimeout(2)
+        data, sender = own.recvfrom(100)
+        assert data == b"answer" and sender == ("127.0.0.1", service_port)
+        seen.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            seen.recv(100)
+    finally:
+        engine.close_all()
+        for s in (endpoint, listen, seen, own):
+            s.close()

@@ -47,6 +47,9 @@ PORTS_FILE = "ports.json"
 LOCK_FILE = "controller.lock"
 WORKER_MODULE = "kproxy.dataplane.userspace.worker"
 STOP_GRACE = 3.0
+# A new worker is a Python interpreter importing kproxy: ~1 s on a quiet node, but 10 s
+# were exceeded inside User-Mode Linux during a slow hour of this machine (a switch test).
+WORKER_START_TIMEOUT = 30.0
 # Asks a worker for a fresh report file. Only sent to workers whose status says they handle
 # it ("reports": 1): to an older worker, SIGUSR1's default action would kill it.
 REPORT_SIGNAL = signal.SIGUSR1
@@ -250,7 +253,7 @@ class WorkerSet:
         log.info("started userspace worker %d (pid %d)", index, popen.pid)
         return popen
 
-    def ensure(self, timeout: float = 10.0) -> tuple[list[int], list[int]]:
+    def ensure(self, timeout: float = WORKER_START_TIMEOUT) -> tuple[list[int], list[int]]:
         """Adopt the running workers, start the missing ones, stop surplus ones.
 
         Returns (adopted indices, started indices); waits until started ones report."""

@@ -403,8 +403,9 @@ class UserspaceDataplane:
             self.backend.restore(cleanup_input(ipt))
         # Between the rules and the workers: nothing new is redirected any more, and the
         # workers still answer until the flows have left them.
-        handed_off = self._start_handoff()
-        self._forget_datagram_flows()
+        flows = self._udp_flows()
+        handed_off = self._start_handoff(flows)
+        self._forget_datagram_flows(flows)
         self.workers.stop_all()
         if handed_off:
             self._end_handoff()
@@ -422,22 +423,39 @@ class UserspaceDataplane:
         """Release the controller lock (the workers keep running)."""
         self.workers.release()
 
-    def _start_handoff(self) -> bool:
+    def _udp_listeners(self) -> list[Mapping[str, Any]]:
+        listeners = (self._table or {}).get("listeners", [])
+        return [lst for lst in listeners if lst.get("protocol") == "udp"]
+
+    def _udp_flows(self) -> list[ConntrackEntry] | None:
+        """The UDP conntrack entries, when there are UDP listeners (None: none, or the table
+        could not be read, which is logged)."""
+        if not self._udp_listeners():
+            return None
+        try:
+            return Conntrack(self.backend.netns).list_entries("udp")
+        except (ConntrackError, OSError) as err:
+            log.warning("cannot read the conntrack entries of UDP flows to the workers: %s", err)
+            return None
+
+    def _start_handoff(self, flows: list[ConntrackEntry] | None) -> bool:
         """Before the UDP flows' conntrack entries go: the workers send their replies from
         the service address, untracked (udp.py), so a reply in flight when an entry goes is
         not lost. True if the raw-table rule that leaves them untracked was added."""
         table = self._table or {}
-        if not any(lst.get("protocol") == "udp" for lst in table.get("listeners", [])):
-            return False
-        if not self.workers.workers():
+        udp = self._udp_listeners()
+        if not udp or not self.workers.workers():
             return False
         try:
             self.backend.restore(f"*raw\n-I {HANDOFF_RULE}\nCOMMIT\n")
         except IptablesError as err:
             log.warning("cannot hand UDP flows over (%s): a reply in flight may be lost", err)
             return False
+        peers = remapped_clients(flows or (), udp)
         try:
-            generation = self.workers.write_table({**table, "udp_handoff": True})
+            generation = self.workers.write_table(
+                {**table, "udp_handoff": True, "udp_handoff_peers": peers}
+            )
             self.workers.wait_applied(generation, self.ack_timeout)
         except (ControlError, OSError) as err:
             log.warning("userspace workers did not take the UDP hand-off: %s", err)
@@ -449,26 +467,59 @@ class UserspaceDataplane:
         except IptablesError as err:
             log.warning("cannot remove the UDP hand-off rule from raw OUTPUT: %s", err)
 
-    def _forget_datagram_flows(self) -> None:
-        """Delete the conntrack entries of UDP flows redirected to the workers.
+    def _forget_datagram_flows(self, flows: list[ConntrackEntry] | None) -> None:
+        """Delete the conntrack entries of UDP flows redirected to the workers (flows: the
+        UDP entries listed after the rules went, so no redirected flow is missing).
 
         A UDP client that keeps its 5-tuple stays one conntrack entry, whose translation to
         a proxy port outlives the rules; once the workers are gone every datagram of the
         flow would be refused, for as long as the flow keeps the entry alive. With the entry
         gone, the next datagram is NEW and whatever serves the service now takes it."""
-        listeners = (self._table or {}).get("listeners", [])
-        udp = [lst for lst in listeners if lst.get("protocol") == "udp"]
-        if not udp:
+        if not flows:
             return
         conntrack = Conntrack(self.backend.netns)
         try:
-            filters = redirected_flow_filters(conntrack.list_entries("udp"), udp)
+            filters = redirected_flow_filters(flows, self._udp_listeners())
             deleted = conntrack.delete_many(filters)
         except (ConntrackError, OSError) as err:
             log.warning("cannot clear the conntrack entries of UDP flows to the workers: %s", err)
             return
         if deleted:
             log.info("cleared %d conntrack entries of UDP flows to the workers", deleted)
+
+
+def _redirected(entry: ConntrackEntry, by_port: Mapping[int, set[str]]) -> bool:
+    """Was this UDP flow sent to a listener's destination and answered from its port?"""
+    dests = by_port.get(entry.reply_sport or -1, set())
+    return (
+        f"{entry.orig_dst}:{entry.orig_dport}" in dests or f"nodePort {entry.orig_dport}" in dests
+    )
+
+
+def _destinations_by_port(listeners: Iterable[Mapping[str, Any]]) -> dict[int, set[str]]:
+    by_port: dict[int, set[str]] = {}
+    for lst in listeners:
+        by_port.setdefault(int(lst["port"]), set()).update(lst.get("destinations", ()))
+    return by_port
+
+
+def remapped_clients(
+    entries: Iterable[ConntrackEntry], listeners: Iterable[Mapping[str, Any]]
+) -> dict[str, int]:
+    """Redirected UDP flows whose client port conntrack remapped (the redirect's reply tuple
+    clashed with another entry): "client ip:port the worker sees" -> the client's port."""
+    by_port = _destinations_by_port(listeners)
+    return {
+        f"{e.orig_src}:{e.reply_dport}": e.orig_sport
+        for e in entries
+        if e.proto == "udp"
+        and e.orig_dport is not None
+        and e.orig_sport is not None
+        and e.reply_dport is not None
+        and e.reply_dport != e.orig_sport
+        and e.reply_dst == e.orig_src
+        and _redirected(e, by_port)
+    }
 
 
 def redirected_flow_filters(
@@ -478,17 +529,14 @@ def redirected_flow_filters(
     one of its destinations ("ip:port", "nodePort N") and answered from its proxy port.
     One filter per (destination, port, proxy address) (each filter costs a table dump),
     unless a flow another mode translated shares it: then one per redirected flow."""
-    by_port: dict[int, set[str]] = {}
-    for lst in listeners:
-        by_port.setdefault(int(lst["port"]), set()).update(lst.get("destinations", ()))
+    by_port = _destinations_by_port(listeners)
     ours: dict[tuple[str, int, str], list[ConntrackEntry]] = {}
     foreign: set[tuple[str, int, str]] = set()
     for e in entries:
         if e.proto != "udp" or e.orig_dport is None:
             continue
         key = (e.orig_dst, e.orig_dport, e.reply_src)
-        dests = by_port.get(e.reply_sport or -1, set())
-        if f"{e.orig_dst}:{e.orig_dport}" in dests or f"nodePort {e.orig_dport}" in dests:
+        if _redirected(e, by_port):
             ours.setdefault(key, []).append(e)
         else:
             foreign.add(key)
@@ -584,6 +632,7 @@ __all__ = [
     "clean_userspace_leftovers",
     "create_userspace_dataplane",
     "redirected_flow_filters",
+    "remapped_clients",
     "render",
     "saved_ports",
     "userspace_chain",

@@ -103,12 +103,26 @@ class UdpSession:
             self.last = self.answered = time.monotonic()
             try:
                 if handoff is not None:
-                    handoff.sendto(data, self.client)
+                    ip, port = self.client
+                    handoff.sendto(data, (ip, engine.handoff_peers.get(self.client, port)))
                 else:
                     lsock.sendmsg([data], anc, 0, self.client)
                 engine.stats.replies += 1
             except OSError:
                 engine.stats.dropped += 1
+
+
+def handoff_peers(raw: object) -> dict[Addr, int]:
+    """The table's "udp_handoff_peers" ({"ip:seen port": client port}) as a lookup; what
+    does not parse is skipped (the reply then goes where the worker saw the client)."""
+    out: dict[Addr, int] = {}
+    if not isinstance(raw, dict):
+        return out
+    for peer, port in raw.items():
+        ip, _, seen = str(peer).rpartition(":")
+        if ip and seen.isdigit() and isinstance(port, int) and 0 < port < 65536:
+            out[(ip, int(seen))] = port
+    return out
 
 
 class UdpListener:
@@ -174,6 +188,9 @@ class UdpEngine:
         self.sessions: dict[tuple[str, Addr], UdpSession] = {}
         self._capped_logged = False
         self.handoff = False  # set by the table while the controller hands the flows over
+        # Clients whose source port conntrack remapped for the redirect (a clash): the port
+        # this worker sees -> the client's own, which a hand-off reply (untracked) must use.
+        self.handoff_peers: dict[Addr, int] = {}
         self._handoff_socks: dict[str, socket.socket | None] = {}
 
     def add_listener(self, key: str, sock: socket.socket) -> None:

@@ -40,7 +40,7 @@ from kproxy.dataplane.userspace.control import (
 )
 from kproxy.dataplane.userspace.render import Listener
 from kproxy.dataplane.userspace.tcp import HAVE_SPLICE, TcpEngine
-from kproxy.dataplane.userspace.udp import UdpEngine
+from kproxy.dataplane.userspace.udp import UdpEngine, handoff_peers
 
 log = logging.getLogger("kproxy.userspace.worker")
 
@@ -290,6 +290,7 @@ class Worker:
             return
         listeners = [Listener.from_json(item) for item in table.get("listeners", ())]
         self.udp.handoff = bool(table.get("udp_handoff"))
+        self.udp.handoff_peers = handoff_peers(table.get("udp_handoff_peers"))
         self.balancer.configure(
             listeners,
             local_cidrs=table.get("local_cidrs"),
