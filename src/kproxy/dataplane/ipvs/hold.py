@@ -60,6 +60,7 @@ def hold_objects(where: str, rules: Iterable[str]) -> list[OwnedObject]:
 def hold_input(keys: Iterable[VSKey], verb: str) -> str:
     """raw-table restore input that inserts (-I) or deletes (-D) the hold rules."""
     lines = []
+    keys = list(keys)
     for chain in HOLD_CHAINS:
         for k in keys:
             proto = k.protocol.lower()
