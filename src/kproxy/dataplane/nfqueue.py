@@ -30,9 +30,9 @@ from kproxy.dataplane.ipvs.nlsock import (
     NLMSG_ERROR,
     NLMSG_HDR,
     NetlinkError,
+    iter_messages,
     nla,
     open_socket,
-    pad4,
     parse_attrs,
 )
 
@@ -187,7 +187,7 @@ class PacketHold:
         seq = self._seq
         while True:
             data = self._sock.recv(8192)
-            for msg_type, msg_seq, body in messages(data):
+            for msg_type, _flags, msg_seq, body in iter_messages(data):
                 if msg_type == NLMSG_ERROR and msg_seq == seq:
                     code = -struct.unpack_from("=i", body)[0]
                     if code:
@@ -206,23 +206,10 @@ class PacketHold:
             log.warning("nfqueue %d: verdict for packet %d failed: %s", self.queue, packet_id, err)
 
 
-def messages(data: bytes) -> list[tuple[int, int, bytes]]:
-    """Netlink messages of one datagram as (type, seq, payload)."""
-    out = []
-    offset = 0
-    while offset + NLMSG_HDR.size <= len(data):
-        length, msg_type, _flags, seq, _pid = NLMSG_HDR.unpack_from(data, offset)
-        if length < NLMSG_HDR.size:
-            break
-        out.append((msg_type, seq, data[offset + NLMSG_HDR.size : offset + length]))
-        offset += pad4(length)
-    return out
-
-
 def packet_ids(data: bytes) -> list[int]:
     """The ids of the queued packets announced in one datagram."""
     ids = []
-    for msg_type, _seq, body in messages(data):
+    for msg_type, _flags, _seq, body in iter_messages(data):
         if msg_type != MSG_PACKET:
             continue
         hdr = parse_attrs(body, NFGENMSG.size).get(PACKET_HDR)

@@ -100,6 +100,17 @@ def parse_attrs(data: bytes, offset: int = 0, end: int | None = None) -> dict[in
     return out
 
 
+def iter_messages(data: bytes) -> Iterator[tuple[int, int, int, bytes]]:
+    """The netlink messages of one datagram as (type, flags, seq, payload)."""
+    offset = 0
+    while offset + NLMSG_HDR.size <= len(data):
+        length, msg_type, flags, seq, _pid = NLMSG_HDR.unpack_from(data, offset)
+        if length < NLMSG_HDR.size:
+            break
+        yield msg_type, flags, seq, data[offset + NLMSG_HDR.size : offset + length]
+        offset += pad4(length)
+
+
 def u16(data: bytes) -> int:
     return struct.unpack_from("=H", data)[0]
 
@@ -195,13 +206,7 @@ class NetlinkSocket:
         return NLMSG_HDR.pack(NLMSG_HDR.size + len(payload), msg_type, flags, seq, 0) + payload
 
     def _messages(self, data: bytes) -> Iterator[tuple[int, int, int, bytes]]:
-        offset = 0
-        while offset + NLMSG_HDR.size <= len(data):
-            length, msg_type, flags, seq, _pid = NLMSG_HDR.unpack_from(data, offset)
-            if length < NLMSG_HDR.size:
-                break
-            yield msg_type, flags, seq, data[offset + NLMSG_HDR.size : offset + length]
-            offset += pad4(length)
+        return iter_messages(data)
 
     def batch(self, requests: Sequence[Request]) -> list[tuple[Request, int]]:
         """Send every request; returns (request, errno) for those the kernel refused.
