@@ -779,6 +779,19 @@ def test_declared_mode_switches_and_is_reported_on_the_node(
     assert node_annotations(store)[OBSERVED] == ""
 
 
+def test_declared_mode_removed_before_the_agent_starts_leads_back(
+    store: KubeApiStore, agent_for: Callable[[FakeDaemon], ClusterAgent]
+) -> None:
+    # The daemon came up in the declared nftables; the annotation was removed between its
+    # first sync and the agent's start, so the agent's first look sees no annotation.
+    daemon = FakeDaemon(mode="nftables")
+    agent_for(daemon)
+    wait_until(lambda: node_annotations(store).get(SWITCH_STATE) == "succeeded")
+    assert daemon.switches == ["iptables"]
+    assert node_annotations(store)[CURRENT_MODE] == "iptables"
+    assert node_annotations(store)[OBSERVED] == ""
+
+
 def test_failed_switch_is_reported_and_not_retried(
     store: KubeApiStore, agent_for: Callable[[FakeDaemon], ClusterAgent]
 ) -> None:

@@ -50,6 +50,9 @@ COMPONENT = "kproxy"
 _TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
 
 
+_NOTHING_HANDLED = object()
+
+
 def _mode_of(daemon: Any) -> str:
     return str(daemon.dataplane.mode)
 
@@ -76,7 +79,10 @@ class ClusterAgent:
         self.target = ""
         self.error = ""
         self.observed = ""  # the declared value last acted on
-        self._handled: str | None = None
+        # Not None: None means "annotation absent", and a daemon that started in a declared
+        # mode must still act when the annotation is gone before the agent's first step (it
+        # can be removed between the first sync and the agent's start).
+        self._handled: str | None | object = _NOTHING_HANDLED
         self._seen_switch: object = daemon.last_switch
         self._node: dict[str, Any] | None = source.node
         self._reported: dict[str, str | None] = {}
