@@ -33,6 +33,7 @@ from collections.abc import Callable
 from bench import netns, workload
 from kproxy.dataplane.facts import RuleOptions
 from kproxy.dataplane.nftables.proxier import NftablesDataplane
+from kproxy.model.snapshot import ChangeTracker
 
 LIBNFT_PROBE = r"""
 import ctypes, sys, time
@@ -124,6 +125,7 @@ def one_size(n: int, repeats: int, text_full: bool, probe: bool) -> None:
             flush=True,
         )
         netns.wait_quiet()
+        resyncs(dp, ns, t)
         generation = 0
         for label, fast in (("upstream form, one nft -f", False), ("kproxy fast apply", True)):
             dp.backend.fast = fast  # type: ignore[attr-defined]
@@ -152,6 +154,23 @@ def one_size(n: int, repeats: int, text_full: bool, probe: bool) -> None:
             )
         if probe:
             probes(ns, repeats)
+
+
+def resyncs(dp: NftablesDataplane, ns: str, t: ChangeTracker) -> None:
+    """The periodic full sync twice: with nothing but kproxy having changed the kernel
+    (custody holds: only changes written), then after another program's commit."""
+    for label, foreign in (("kernel unchanged", False), ("after another program's commit", True)):
+        if foreign:
+            subprocess.run(netns.exec_argv(ns, ["nft", "add", "table", "ip", "kpb_other"]))
+        start = time.perf_counter()
+        result = dp.sync(t.snapshot(), full=True)
+        took = time.perf_counter() - start
+        print(
+            f"  full resync, {label}: {took:.2f} s (kernel_unchanged={result.kernel_unchanged}, "
+            f"{result.rewritten} services rewritten)",
+            flush=True,
+        )
+        netns.wait_quiet()
 
 
 def layout_probe(n: int) -> None:

@@ -3,8 +3,11 @@
 One repeat at one size on one backend is:
 
 1. ours, in a fresh namespace A: initial full sync (empty tables), resync (a full sync over
-   the populated tables, same dataplane: the periodic full sync), then a one-service
-   partial sync (the 10 endpoints of one service replaced through a ChangeTracker event);
+   the populated tables, same dataplane: the periodic full sync, after some other
+   software's nf_tables commit in the namespace, so the nft backend cannot trust the
+   kernel), trusted (the next full sync, with nothing but kproxy having changed the kernel:
+   on nft it writes only what changed, on legacy it is another resync), then one-service
+   partial syncs (the 10 endpoints of one service replaced through a ChangeTracker event);
 2. bare, in a fresh namespace B: the exact restore inputs the dataplane sent in step 1,
    each fed to `iptables-<flavour>-restore --noflush`, in the same order, so every timed
    load starts from the same kernel state as ours did;
@@ -38,7 +41,7 @@ from kproxy.model.snapshot import ChangeTracker
 GIANT_MAX = 5000  # one-restore nft loads above this take ~10 min (lab §2.2): not run
 GIANT_REPEAT_MAX = 2000  # above this the one-restore nft load is run once
 GIANT_TIMEOUT = 180.0  # s: a one-restore load still running then is stopped and reported so
-KINDS = ("initial", "resync", "partial")
+KINDS = ("initial", "resync", "trusted", "partial")
 PARTIALS = 3  # one-service partial syncs per repeat, each a different service
 PARTS = ("plan", "save", "check", "restore", "other")
 
@@ -127,6 +130,12 @@ class SyncFigures:
             "problems": self.problems,
             "workaround": self.workaround,
         }
+
+
+def _foreign_commit(ns: str) -> None:
+    """One nf_tables commit of "some other software" in the namespace (an empty table)."""
+    argv = netns.exec_argv(ns, ["nft", "add", "table", "ip", "kpb_other"])
+    subprocess.run(argv, check=True, capture_output=True)
 
 
 def bare_restore(
@@ -294,7 +303,7 @@ class SyncBench:
             dp = self.dp_class(backend, workload.facts(), self.options)
             timer = _Timed(dp)
             snap = self.tracker.snapshot()
-            plan = ["initial", "resync", *["partial"] * self.partials]
+            plan = ["initial", "resync", "trusted", *["partial"] * self.partials]
             for n, kind in enumerate(plan):
                 if n:
                     _between_steps()
@@ -302,6 +311,8 @@ class SyncBench:
                     t0 = time.perf_counter()
                     snap = self._change(r * self.partials + n)
                     fig.snapshot.add(time.perf_counter() - t0)
+                if kind == "resync" and self.flavour == "nft":
+                    _foreign_commit(ns)
                 timer.seconds = 0.0
                 with Meter() as meter:
                     t0 = time.perf_counter()
@@ -320,6 +331,9 @@ class SyncBench:
                 fig.input_lines[kind] = sum(d.count("\n") for d in data)
                 if kind == "partial" and result.rewritten != 1:
                     fig.problems.append(f"partial rewrote {result.rewritten} services, not 1")
+                trusted = kind == "trusted" and self.flavour == "nft"
+                if result.kernel_unchanged != trusted:
+                    fig.problems.append(f"{kind}: kernel_unchanged={result.kernel_unchanged}")
                 self.log(
                     f"    {self.flavour} {self.size} #{r + 1} ours {kind}: {took:.3f} s "
                     f"({result.pieces} piece(s); others {meter.foreign_cores:.2f} cores)"

@@ -1,5 +1,6 @@
 """Full syncs in the kernel: the nft backend loading a large sync in pieces into a fresh and a
-live node; the legacy backend repairing drift after a resync."""
+live node, and trusting a kernel only it changed; the legacy backend repairing drift after a
+resync."""
 
 from __future__ import annotations
 
@@ -53,10 +54,44 @@ def test_pieces_load_into_a_fresh_node_then_resync_and_change(netns: str) -> Non
     nat = backend.save("nat")
     assert nat.count("-A KUBE-SERVICES ") == n + 1
     assert "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000" in nat
-    # A full resync over the live table, with every endpoint changed: stale chains go.
+    # A full resync over the live table, with every endpoint changed: stale chains go. Some
+    # other software's commit first, so the resync cannot trust the kernel and loads pieces.
+    subprocess.run(["ip", "netns", "exec", netns, "nft", "add", "table", "ip", "other"], check=True)
     result = plane.sync(snapshot_from_objects(objects(n, first_ep=100), "node1"), full=True)
+    assert not result.kernel_unchanged and result.pieces > 2
     assert result.stale_removed == 2 * n
     assert backend.save("nat").count(":KUBE-SEP-") == 2 * n
+
+
+def test_nft_resync_trusts_a_kernel_only_kproxy_changed(netns: str) -> None:
+    """A full sync writes only what changed while every nf_tables commit in the namespace
+    since its last full read was kproxy's own; anyone else's commit ends that, and the next
+    full sync reads the tables and repairs what was done behind its back."""
+    backend = IptablesBackend("nft", netns=netns)
+    plane = IptablesDataplane(backend, NodeFacts(node_ips=("10.100.0.1",)), RuleOptions())
+    snap = snapshot_from_objects(objects(20), "node1")
+    assert not plane.sync(snap, full=True).kernel_unchanged  # the first one reads the tables
+    again = plane.sync(snap, full=True)
+    assert again.full and again.kernel_unchanged and again.pieces == 0
+    # A partial sync of our own keeps the custody; the full sync after it writes nothing.
+    changed = snapshot_from_objects(objects(20, first_ep=50), "node1")
+    assert plane.sync(changed, full=False).rewritten == 20
+    assert plane.sync(changed, full=True).kernel_unchanged
+
+    ipt = ["ip", "netns", "exec", netns, "iptables-nft", "-t", "nat"]
+    jump = ["-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"]
+    subprocess.run([*ipt, "-D", "PREROUTING", *jump], check=True)
+    assert plane.drifted() is False  # the canary chain is still there
+    repaired = plane.sync(changed, full=True)
+    assert not repaired.kernel_unchanged and repaired.pieces == 1
+    nat = backend.save("nat")
+    assert '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES' in nat
+    assert nat.count("-A KUBE-SERVICES ") == 21
+    # The repair's own restore re-established custody.
+    assert plane.sync(changed, full=True).kernel_unchanged
+    # A commit that touches nothing of ours still ends it (the generation cannot tell).
+    subprocess.run(["ip", "netns", "exec", netns, "nft", "add", "table", "ip", "other"], check=True)
+    assert not plane.sync(changed, full=True).kernel_unchanged
 
 
 def test_legacy_resync_repairs_what_was_changed_behind_its_back(netns: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,13 @@ class FakeBackend:
         self.rules_present: set[tuple[str, str]] = set()
         self.fail_next: str | None = None
         self.checks = 0  # iptables -C calls
+        # The nf_tables generation: None (unreadable, as with the tools' runner) unless a
+        # test sets a number; then every committed table section adds one.
+        self.gen: int | None = None
+        self.on_restore: Callable[[], None] | None = None  # e.g. a commit of someone else
+
+    def generation(self) -> int | None:
+        return self.gen
 
     def restore(self, data: str, *, noflush: bool = True, counters: bool = True) -> None:
         assert noflush, "kproxy never restores without --noflush"
@@ -41,6 +48,10 @@ class FakeBackend:
                 input_data=data,
             )
         self.restores.append(data)
+        if self.gen is not None:
+            self.gen += data.count("\nCOMMIT\n")
+        if self.on_restore is not None:
+            self.on_restore()
         table = ""
         for line in data.splitlines():
             if line.startswith("*"):
@@ -382,3 +393,67 @@ def test_legacy_resync_that_cannot_read_the_tables_makes_the_next_sync_check_fir
     assert result.full, "unverified: the next sync is full"
     (data,) = backend.restores
     assert f"-I {PORTALS_JUMP}" in data, "and reads the tables before its restore"
+
+
+@pytest.fixture
+def counted(dp: tuple[IptablesDataplane, FakeBackend]) -> tuple[IptablesDataplane, FakeBackend]:
+    """dp with a readable nf_tables generation, after a first full sync of s1 and s2."""
+    plane, backend = dp
+    backend.gen = 100
+    plane.sync(tracker_with(*svc(1), *svc(2)).snapshot(), full=True)
+    return plane, backend
+
+
+def test_full_sync_over_a_kernel_only_kproxy_changed_writes_only_changes(
+    counted: tuple[IptablesDataplane, FakeBackend],
+) -> None:
+    plane, backend = counted
+    t = tracker_with(*svc(1), *svc(2))
+    n = len(backend.restores)
+    result = plane.sync(t.snapshot(), full=True)
+    assert result.full and result.kernel_unchanged and result.rewritten == 0
+    assert len(backend.restores) == n, "nothing changed: nothing written"
+    apply(t, svc(2, first=10)[1])
+    assert plane.sync(t.snapshot(), full=False).rewritten == 1  # our own commit: still ours
+    result = plane.sync(t.snapshot(), full=True)
+    assert result.kernel_unchanged and len(backend.restores) == n + 1
+    assert not plane.drifted(), "custody answers the canary question without a process"
+
+
+def test_any_other_commit_makes_the_next_full_sync_read_and_rewrite_everything(
+    counted: tuple[IptablesDataplane, FakeBackend],
+) -> None:
+    plane, backend = counted
+    snap = tracker_with(*svc(1), *svc(2)).snapshot()
+    assert backend.gen is not None
+    backend.gen += 1  # someone else's commit between our syncs
+    result = plane.sync(snap, full=True)
+    assert not result.kernel_unchanged and "-A KUBE-SERVICES" in backend.restores[-1]
+    assert plane.sync(snap, full=True).kernel_unchanged, "that sync re-established custody"
+
+
+def test_a_commit_beside_our_restore_ends_custody(
+    counted: tuple[IptablesDataplane, FakeBackend],
+) -> None:
+    plane, backend = counted
+    t = tracker_with(*svc(1), *svc(2))
+
+    def someone_else() -> None:
+        assert backend.gen is not None
+        backend.gen += 1
+
+    backend.on_restore = someone_else
+    apply(t, svc(2, first=10)[1])
+    plane.sync(t.snapshot(), full=False)
+    backend.on_restore = None
+    assert not plane.sync(t.snapshot(), full=True).kernel_unchanged
+
+
+def test_a_failed_restore_ends_custody(counted: tuple[IptablesDataplane, FakeBackend]) -> None:
+    plane, backend = counted
+    t = tracker_with(*svc(1), *svc(2))
+    apply(t, svc(2, first=10)[1])
+    backend.fail_next = "3"
+    with pytest.raises(SyncError):
+        plane.sync(t.snapshot(), full=False)
+    assert not plane.sync(t.snapshot(), full=True).kernel_unchanged

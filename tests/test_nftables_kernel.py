@@ -202,6 +202,27 @@ def test_stale_chains_are_deleted_on_a_later_sync(netns: str) -> None:
     assert not [c for c in backend.chains("ip", names.TABLE) if "web3/" in c]
 
 
+def test_full_sync_trusts_a_kernel_only_kproxy_changed(netns: str) -> None:
+    """Every commit in the namespace since the last full read was ours (the nf_tables
+    generation says so): a full sync writes only what changed. Anyone else's commit ends
+    that, and the next full sync reads the table and repairs what was done to it."""
+    t = tracker(30)
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, clock=Clock())
+    assert not dp.sync(t.snapshot(), full=True).kernel_unchanged
+    again = dp.sync(t.snapshot(), full=True)
+    assert again.full and again.kernel_unchanged
+    assert dp.last_write is not None and len(dp.last_write.tx) == 0
+    t.apply([event(o) for o in web(7, ["10.244.7.9"])])
+    assert dp.sync(t.snapshot(), full=False).rewritten == 1  # our own commits keep custody
+    assert dp.sync(t.snapshot(), full=True).kernel_unchanged
+
+    nft(netns, "delete", "element", "ip", names.TABLE, "cluster-ips", "{ 10.96.0.13 }")
+    repaired = dp.sync(t.snapshot(), full=True)
+    assert not repaired.kernel_unchanged
+    assert "10.96.0.13" in kernel_elements(netns, "set", "cluster-ips")
+    assert dp.sync(t.snapshot(), full=True).kernel_unchanged, "the repair re-established it"
+
+
 def test_broken_transaction_keeps_the_previous_table(netns: str, tmp_path: Path) -> None:
     t = tracker(5)
     dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, state_dir=tmp_path, clock=Clock())

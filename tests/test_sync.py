@@ -116,6 +116,30 @@ def test_failure_keeps_going_and_next_sync_is_full() -> None:
         loop.stop()
 
 
+def test_an_operators_full_sync_request_distrusts_the_kernel_first() -> None:
+    plane = FakeDataplane()
+    events: list[str] = []
+    plane.distrust_kernel = lambda: events.append("distrust")  # type: ignore[attr-defined]
+    real_sync = plane.sync
+
+    def sync(snapshot: Snapshot, *, full: bool) -> SyncResult:
+        events.append("full" if full else "partial")
+        return real_sync(snapshot, full=full)
+
+    plane.sync = sync  # type: ignore[method-assign]
+    loop = make_loop(plane, [])
+    loop.start(ListSource(udp_objects(["10.244.0.2"])))
+    try:
+        assert events == ["full"], "the first sync needs no distrust: nothing is trusted yet"
+        loop.request_full_sync()
+        deadline = time.monotonic() + 3
+        while len(events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[1:3] == ["distrust", "full"]
+    finally:
+        loop.stop()
+
+
 def test_udp_serving_map_covers_every_destination() -> None:
     t = ChangeTracker("node1")
     objs = udp_objects(["10.244.0.2", "10.244.0.3"])

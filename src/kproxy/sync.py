@@ -86,6 +86,7 @@ class ProxyLoop:
         self.status = SyncStatus()
         self._lock = threading.Lock()
         self._force_full = True
+        self._distrust = False  # see request_full_sync
         self._applied: Snapshot | None = None
         self._applied_generation = -1
         self._last_drift_check = time.monotonic()
@@ -129,7 +130,10 @@ class ProxyLoop:
         self.dataplane = dataplane
 
     def request_full_sync(self) -> None:
+        """An operator's request: a full sync that rewrites everything, even where the
+        dataplane could prove the kernel unchanged (it is asked because someone doubts it)."""
         self._force_full = True
+        self._distrust = True
         self.runner.run()
 
     @property
@@ -154,6 +158,11 @@ class ProxyLoop:
                 or now - self.status.last_full_sync >= self.full_sync_period
                 or self._drifted()
             )
+            if self._distrust:
+                self._distrust = False
+                distrust = getattr(self.dataplane, "distrust_kernel", None)
+                if distrust is not None:
+                    distrust()
             started = time.monotonic()
             try:
                 result = self.dataplane.sync(snapshot, full=full)
@@ -185,7 +194,12 @@ class ProxyLoop:
                 st.last_full_sync = st.last_sync
             log.info(
                 "%s sync: %d service ports, %d rewritten, %d stale chains removed, %.3f s",
-                "full" if result.full else "partial",
+                ("full" if result.full else "partial")
+                + (
+                    " (kernel unchanged since kproxy's last write)"
+                    if result.kernel_unchanged
+                    else ""
+                ),
                 result.services,
                 result.rewritten,
                 result.stale_removed,

@@ -40,6 +40,8 @@ class SyncResult:
     # Other kernel objects the mode programs, by kind (ipvs: "ipvs_virtual_servers",
     # "ipvs_real_servers"), for the metrics.
     objects: dict[str, int] = field(default_factory=dict)
+    # A full sync that found the kernel provably as last written, so it wrote only changes.
+    kernel_unchanged: bool = False
 
 
 @dataclass(frozen=True)

@@ -567,6 +567,24 @@ class IptablesBackend:
 
     # -- single rules (cleanup tooling) -----------------------------------------------------
 
+    def generation(self) -> int | None:
+        """nft: the namespace's nf_tables ruleset generation (one more per committed batch,
+        anyone's), or None when it cannot be read; legacy: None (no such counter).
+        Not with a caller's own runner: it stands for the tools, not the real kernel."""
+        if self.flavour != "nft" or self._runner is not run_command:
+            return None
+        from kproxy.dataplane.nftables.netlink import NetlinkError, NftNetlink
+
+        try:
+            client = NftNetlink(self.netns)
+            try:
+                return client.generation()
+            finally:
+                client.close()
+        except (NetlinkError, OSError) as err:
+            log.debug("cannot read the nf_tables generation: %s", err)
+            return None
+
     def chain_exists(self, table: str, chain: str) -> bool:
         """Does the chain exist? (`iptables -t T -S CHAIN`: cheap, lists one chain.)"""
         return self.list_chain(table, chain) is not None

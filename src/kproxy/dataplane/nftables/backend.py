@@ -125,6 +125,9 @@ class NftBackend:
         self._version: Version | None = None
         self._netlink: NftNetlink | None = None
         self.last_steps: list[str] = []
+        # Batches committed through this backend (each `nft -f` and each netlink batch):
+        # with generation(), how a dataplane tells its own commits from anyone else's.
+        self.commits = 0
 
     def __repr__(self) -> str:
         return f"NftBackend(netns={self.netns!r})"
@@ -159,6 +162,7 @@ class NftBackend:
                 stderr=proc.stderr,
                 input_data=data,
             )
+        self.commits += 1
 
     def apply(self, tx: Transaction) -> None:
         """Apply a transaction: in fast steps, or as one `nft -f -` (see the class doc)."""
@@ -187,6 +191,7 @@ class NftBackend:
             messages = netlink_ops(tx, step.ops)
             try:
                 self._netlink.run([m for m, _ in messages])
+                self.commits += bool(messages)
             except (NetlinkError, OSError) as err:
                 lines = [op_line(tx, op) for op in step.ops]
                 index = getattr(err, "index", None)
@@ -205,8 +210,22 @@ class NftBackend:
         ops = [delete_chain(table, c) for c in chains]
         try:
             self._netlink.run(ops)
+            self.commits += bool(ops)
         except (NetlinkError, OSError) as err:
             raise NftError(f"deleting chains {', '.join(chains)}: {err}") from err
+
+    def generation(self) -> int | None:
+        """The namespace's nf_tables ruleset generation (see NftNetlink.generation), or
+        None when it cannot be read (or this backend's runner stands for the tools)."""
+        if self._runner is not run_command:
+            return None
+        try:
+            if self._netlink is None:
+                self._netlink = NftNetlink(self.netns)
+            return self._netlink.generation()
+        except (NetlinkError, OSError) as err:
+            log.debug("cannot read the nf_tables generation: %s", err)
+            return None
 
     def close(self) -> None:
         if self._netlink is not None:

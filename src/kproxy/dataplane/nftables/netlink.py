@@ -52,8 +52,11 @@ NFT_MSG_DELRULE: Final = 8
 NFT_MSG_DELSET: Final = 11
 NFT_MSG_NEWSETELEM: Final = 12
 NFT_MSG_DELSETELEM: Final = 14
+NFT_MSG_NEWGEN: Final = 15
+NFT_MSG_GETGEN: Final = 16
 
 NFTA_TABLE_NAME: Final = 1
+NFTA_GEN_ID: Final = 1
 NFTA_CHAIN_TABLE: Final = 1
 NFTA_CHAIN_NAME: Final = 3
 NFTA_RULE_TABLE: Final = 1
@@ -333,7 +336,11 @@ class NftNetlink:
         seq = self._seq
         self._seq += 1
         msg_type = (NFNL_SUBSYS_NFTABLES << 8) | request
-        what = {NFT_MSG_GETTABLE: "get table", NFT_MSG_GETCHAIN: "get chain"}.get(request, "get")
+        what = {
+            NFT_MSG_GETTABLE: "get table",
+            NFT_MSG_GETCHAIN: "get chain",
+            NFT_MSG_GETGEN: "get generation",
+        }.get(request, "get")
         sock.send(self._header(msg_type, flags, len(payload), seq, family) + payload)
         while True:
             try:
@@ -376,6 +383,17 @@ class NftNetlink:
                 found.append((family, name))
         return found
 
+    def generation(self) -> int:
+        """The namespace's nf_tables ruleset generation: every committed batch, by anyone, of
+        any family, adds one; reading it costs one small request at any ruleset size."""
+        for _, attrs in self._get(
+            NFT_MSG_GETGEN, NFT_MSG_NEWGEN, NLM_F_REQUEST | NLM_F_ACK, socket.AF_UNSPEC
+        ):
+            value = _attr_bytes(attrs, 0, len(attrs), NFTA_GEN_ID)
+            if value is not None and len(value) >= 4:
+                return int(struct.unpack_from("!I", value)[0])
+        raise NetlinkError("nf_tables: get generation: no generation in the answer")
+
     def chains_by_table(self) -> dict[str, list[str]]:
         """Every chain name of this client's family, per table, from one dump (names only:
         110,000 chains of iptables-nft in ~1.3 s, where `iptables-nft-save` takes 14 s).
@@ -391,13 +409,19 @@ class NftNetlink:
         return found
 
 
-def _attr_string(data: bytes, start: int, end: int, kind: int) -> str | None:
-    """The string attribute `kind` among the netlink attributes in data[start:end]."""
+def _attr_bytes(data: bytes, start: int, end: int, kind: int) -> bytes | None:
+    """The payload of attribute `kind` among the netlink attributes in data[start:end]."""
     while start + 4 <= end:
         length, attr = struct.unpack_from("=HH", data, start)
         if length < 4:
             return None
         if attr & 0x3FFF == kind:
-            return data[start + 4 : start + length].rstrip(b"\0").decode()
+            return data[start + 4 : start + length]
         start += length + (-length % 4)
     return None
+
+
+def _attr_string(data: bytes, start: int, end: int, kind: int) -> str | None:
+    """The string attribute `kind` among the netlink attributes in data[start:end]."""
+    value = _attr_bytes(data, start, end, kind)
+    return None if value is None else value.rstrip(b"\0").decode()

@@ -17,6 +17,11 @@ Apply strategy (upstream's syncProxyRules, with kproxy's mirror instead of re-li
   listed on partial syncs; the mirror is rebuilt from the kernel on every full sync.
 * A rejected transaction changes nothing in the kernel (nft transactions are atomic): the
   error names the line, the input is kept in state_dir, and the next sync is full.
+* A full sync writes only what changed (as a partial sync) while the kernel provably holds
+  the mirror: the namespace's nf_tables generation grows by one per committed batch,
+  anyone's, so when it moved by exactly our own commits since the last full sync's read,
+  nothing else touched the ruleset (the iptables mode's docstring has the reasoning). At
+  10,000 services that is the difference between ~30 s of hourly rewrite and nothing.
 
 How a transaction reaches the kernel is the backend's business (backend.NftBackend): by
 default in "fast" steps (steps.py) that write the same objects without making nft 1.0.6
@@ -166,6 +171,9 @@ class NftablesDataplane:
         self.state_dir = state_dir
         self.clock = clock
         self._state: TableState | None = None  # None: unknown, the next sync is full
+        # The nf_tables generation at which the kernel held exactly _state (module
+        # docstring); only consulted while _state is known.
+        self._custody: int | None = None
         self._base_chains_recreated = False  # upstream's "flushed"
         self._synced_once = False
         self.last_plan: NftablesPlan | None = None
@@ -197,6 +205,8 @@ class NftablesDataplane:
         if stale_removed is None:
             full = True  # what is stale and what exists is no longer known exactly
             stale_removed = 0
+        proven = full and self._state is not None and self._kernel_unchanged()
+        write_all = full and not proven
         timings["stale_delete"] = time.perf_counter() - started
         mark = time.perf_counter()
         plan = self.planner.plan(snapshot)
@@ -205,7 +215,8 @@ class NftablesDataplane:
         mark = time.perf_counter()
         skip: set[str] | None = None
         flush: list[str] = []
-        if full:
+        if write_all:
+            self._custody = self._generation()  # the state the read below sees
             state, flush = self._read_kernel(plan)
             timings["read"] = time.perf_counter() - mark
             mark = time.perf_counter()
@@ -217,7 +228,7 @@ class NftablesDataplane:
         write = write_sync(
             plan,
             state,
-            full=full,
+            full=write_all,
             recreate_base_chains=not self._base_chains_recreated,
             skip_endpoint_chains=skip,
             flush_containers=flush,
@@ -227,7 +238,7 @@ class NftablesDataplane:
         timings["write"] = time.perf_counter() - mark
         mark = time.perf_counter()
         try:
-            self.backend.apply(write.tx)
+            self._apply(write.tx)
         except NftError as err:
             self._state = None
             self.sync_failures += 1
@@ -246,7 +257,37 @@ class NftablesDataplane:
             rules_written={"nftables": write.rules_written},
             rules_total={"nftables": total},
             pieces=1,
+            kernel_unchanged=proven,
         )
+
+    def distrust_kernel(self) -> None:
+        """Make the next full sync read and rewrite everything (an operator asked for it)."""
+        self._custody = None
+
+    def _generation(self) -> int | None:
+        read = getattr(self.backend, "generation", None)  # a test's backend may have none
+        return read() if read is not None else None
+
+    def _kernel_unchanged(self) -> bool:
+        return self._custody is not None and self._generation() == self._custody
+
+    def _apply(self, tx: Transaction) -> None:
+        """backend.apply, keeping custody when the generation moved by our commits only."""
+        before = self._generation() if self._custody is not None else None
+        commits = getattr(self.backend, "commits", None)
+        if before is None or before != self._custody or commits is None:
+            self._custody = None
+            self.backend.apply(tx)
+            return
+        try:
+            self.backend.apply(tx)
+        except BaseException:
+            self._custody = None
+            raise
+        after = self._generation()
+        ours = getattr(self.backend, "commits", 0) - commits
+        ok = after is not None and (after - before) % (1 << 32) == ours
+        self._custody = after if ok else None
 
     def _delete_stale_chains(self, now: float) -> int | None:
         """Delete chains stale for long enough; None when that transaction failed."""
@@ -258,7 +299,7 @@ class NftablesDataplane:
         if not due:
             return 0
         try:
-            self.backend.apply(tx)
+            self._apply(tx)
         except NftError as err:
             log.error("could not delete %d stale chains (next sync is full): %s", len(due), err)
             self.cleanup_failures += 1
