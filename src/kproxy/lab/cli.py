@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kproxy.lab.topology import Lab, LabError, lab_supported
-from kproxy.lab.uml import UmlError, run_in_uml
+# The lab's modules are imported by the commands that use them: every `kproxy` process,
+# the daemon included, imports this command table, and the lab is none of its business.
+if TYPE_CHECKING:
+    from kproxy.lab.topology import Lab
 
 lab_app = typer.Typer(
     name="lab",
@@ -27,6 +29,8 @@ lab_app = typer.Typer(
 
 
 def _require_support() -> None:
+    from kproxy.lab.topology import lab_supported
+
     ok, reason = lab_supported()
     if not ok:
         typer.echo(f"error: {reason}", err=True)
@@ -65,6 +69,8 @@ def up(
     Pod servers answer "<pod> <peer ip>" on TCP 8080/9090 and UDP 8080. Tear it down with
     `kproxy lab down ID`.
     """
+    from kproxy.lab.topology import Lab, LabError
+
     _require_support()
     try:
         lab = Lab(pods=pods, clients=clients).up()
@@ -104,6 +110,8 @@ def down(
     ] = False,
 ) -> None:
     """Stop a lab's processes (by PID) and delete its namespaces."""
+    from kproxy.lab.topology import Lab, LabError
+
     _require_support()
     if not lab_ids and not all_labs:
         typer.echo("error: give lab ids or --all", err=True)
@@ -141,6 +149,8 @@ def list_labs(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
     """List labs recorded in /run/kproxy-lab (running or stale)."""
+    from kproxy.lab.topology import Lab
+
     labs = Lab.list_running()
     if as_json:
         typer.echo(json.dumps([_describe(lab) for lab in labs], indent=2))
@@ -174,6 +184,8 @@ def uml_run(
     if not argv:
         typer.echo("error: give a command, e.g. kproxy lab uml -- ipvsadm -Ln", err=True)
         raise typer.Exit(2)
+    from kproxy.lab.uml import UmlError, run_in_uml
+
     try:
         result = run_in_uml(argv, timeout=timeout, mem=mem)
     except (UmlError, OSError, ValueError) as exc:

@@ -7,10 +7,18 @@ info findings), 1 blocked, 2 usage error. `kproxy switch` runs the same prefligh
 and refuses on a block unless --force.
 """
 
-from kproxy.ops.preflight.access import NodeAccess
-from kproxy.ops.preflight.findings import EXIT_BLOCKED, EXIT_SAFE, EXIT_USAGE, Finding, Severity
-from kproxy.ops.preflight.run import PreflightResult, run_preflight
+from typing import Any
 
+_HOMES = {
+    "NodeAccess": "access",
+    "EXIT_BLOCKED": "findings",
+    "EXIT_SAFE": "findings",
+    "EXIT_USAGE": "findings",
+    "Finding": "findings",
+    "Severity": "findings",
+    "PreflightResult": "run",
+    "run_preflight": "run",
+}
 __all__ = [
     "EXIT_BLOCKED",
     "EXIT_SAFE",
@@ -21,3 +29,14 @@ __all__ = [
     "Severity",
     "run_preflight",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazily: `kproxy run` imports the preflight command line (typer needs its signature)
+    # and must not pay for every check family in its resident memory.
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
