@@ -206,3 +206,37 @@ def test_run_rejects_unknown_and_bad_kube_proxy_flags() -> None:
     bad = kproxy("run", "--source", str(EXAMPLES), "--conntrack-max-per-core=lots")
     assert bad.returncode == 2 and "--conntrack-max-per-core" in bad.stderr
     assert "Traceback" not in unknown.stderr + bad.stderr
+
+
+UNUSED_BY_THE_DAEMON = (
+    "rich",
+    "kproxy.lab.topology",
+    "kproxy.lab.uml",
+    "kproxy.ops.doctor.run",
+    "kproxy.ops.preflight.run",
+    "kproxy.ops.inspect",
+)
+
+
+def test_kproxy_run_does_not_import_what_only_other_commands_use() -> None:
+    """The daemon's resident memory at 10,000 services is at its 150 MB goal: the lab, the
+    doctor, the preflight checks and typer's rich output stay out of `kproxy run`."""
+    probe = (
+        "import sys; sys.argv = ['kproxy', 'run']; import kproxy.cli; "
+        "print('\\n'.join(m for m, mod in sys.modules.items() if mod is not None))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    loaded = proc.stdout.split()
+    assert "kproxy.cli" in loaded
+    assert [m for m in loaded if m.startswith(UNUSED_BY_THE_DAEMON)] == []
+    # Other commands keep rich's output.
+    proc = subprocess.run(
+        [sys.executable, "-c", probe.replace("'run'", "'preflight'")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert "rich" in proc.stdout.split()

@@ -34,6 +34,7 @@ from kproxy.lab.uml import (
     UmlResult,
     group_members,
     in_uml,
+    uml_boots,
     uml_supported,
 )
 
@@ -52,6 +53,13 @@ PARALLEL_ENV = "KPROXY_UML_PARALLEL"
 TIMEOUT = float(os.environ.get("KPROXY_UML_TIMEOUT", "900"))
 COLLECT_TIMEOUT = 120.0
 UML_OK, UML_SKIP_REASON = uml_supported()
+
+
+def _boots() -> tuple[bool, str]:
+    """UML installed and bootable on this host (one probe boot, only when guests are due)."""
+    return uml_boots() if UML_OK else (UML_OK, UML_SKIP_REASON)
+
+
 NOT_COLLECTED = "<not collected>"
 COLLECTED: list[str] = []  # inner ids known at collection time, to spot ones that ran unseen
 
@@ -88,7 +96,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "inner_id" not in metafunc.fixturenames:
         return
     markexpr = str(metafunc.config.getoption("markexpr", "") or "")
-    if not UML_OK or "not kernel" in markexpr:
+    if not UML_OK or "not kernel" in markexpr or not _boots()[0]:
         # Nothing will run: skip the collection subprocess (about 1 s).
         metafunc.parametrize("inner_id", [NOT_COLLECTED], ids=["uml"])
         return
@@ -228,6 +236,8 @@ def start_in_background(session: pytest.Session) -> None:
     KPROXY_UML_PARALLEL=0 runs it when its first outer test comes, as before."""
     if not UML_OK or os.environ.get(PARALLEL_ENV, "1") == "0" or _BACKGROUND:
         return
+    if not _boots()[0]:
+        return
     selected = _selected(session)
     if not selected:
         return
@@ -251,8 +261,9 @@ def stop_background() -> None:
 
 @pytest.fixture(scope="session")
 def uml_run(request: pytest.FixtureRequest) -> Iterator[InnerRun]:
-    if not UML_OK:
-        pytest.skip(UML_SKIP_REASON)
+    ok, reason = _boots()
+    if not ok:
+        pytest.skip(reason)
     if _BACKGROUND:
         bg = _BACKGROUND[0]
         bg.thread.join()
@@ -304,7 +315,16 @@ def test_uml_inner_session_complete(uml_run: InnerRun) -> None:
 needs_uml = pytest.mark.skipif(not UML_OK, reason=UML_SKIP_REASON)
 
 
+@pytest.fixture
+def booting() -> None:
+    """For tests that boot a guest: skipped, with the reason, where none can boot."""
+    ok, reason = _boots()
+    if not ok:
+        pytest.skip(reason)
+
+
 @needs_uml
+@pytest.mark.usefixtures("booting")
 def test_guest_reports_exit_code_and_keeps_namespaces_off_the_host() -> None:
     name = f"kpuml{secrets.token_hex(4)}"
     with UmlGuest(timeout=120) as guest:
@@ -322,6 +342,7 @@ def test_guest_reports_exit_code_and_keeps_namespaces_off_the_host() -> None:
 
 
 @needs_uml
+@pytest.mark.usefixtures("booting")
 def test_guest_command_timeout_is_reported_with_output() -> None:
     with UmlGuest(timeout=60, command_timeout=2) as guest:
         result = guest.run(["sh", "-c", "echo started; exec sleep 300"])
@@ -331,6 +352,7 @@ def test_guest_command_timeout_is_reported_with_output() -> None:
 
 
 @needs_uml
+@pytest.mark.usefixtures("booting")
 def test_guest_over_budget_is_killed_with_all_its_processes() -> None:
     with UmlGuest(timeout=5, command_timeout=300) as guest:
         result = guest.run(["sleep", "300"])
@@ -350,3 +372,12 @@ def test_missing_linux_uml_names_the_package(monkeypatch: pytest.MonkeyPatch) ->
 def test_run_dir_under_a_guest_private_mount_is_refused() -> None:
     with pytest.raises(UmlError, match="mounts privately"):
         UmlGuest(runs_dir=Path("/tmp/kproxy-uml-runs")).open()
+
+
+def test_a_guest_that_cannot_boot_here_says_why() -> None:
+    """The known host incompatibility is named in the failure text (and makes uml_boots
+    false), from the console line the guest kernel prints."""
+    line = f"userspace - {uml.FPU_STATE_FAILURE}, errno = 14\nKernel panic - not syncing"
+    result = uml.UmlResult(argv=("true",), returncode=None, output="", console=line, init_log="")
+    assert uml.FPU_STATE_REASON in result.describe_failure()
+    assert "AMX" in uml.FPU_STATE_REASON

@@ -15,6 +15,11 @@ import threading
 from pathlib import Path
 from typing import Annotated
 
+if sys.argv[1:2] == ["run"]:
+    # The daemon's resident memory: typer imports rich (7.5 MiB resident) only to colour
+    # help and usage errors; without it `kproxy run` prints click's plain ones.
+    sys.modules.setdefault("rich", None)  # type: ignore[assignment]
+
 import typer
 
 from kproxy import __version__

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import secrets
 import shlex
@@ -47,6 +48,7 @@ __all__ = [
     "group_members",
     "in_uml",
     "run_in_uml",
+    "uml_boots",
     "uml_supported",
 ]
 
@@ -115,6 +117,20 @@ class UmlUnavailable(UmlError):
     """This host cannot run UML guests (package missing)."""
 
 
+# What the guest kernel prints when it cannot hand a process's FPU state back to the host:
+# ptrace(PTRACE_SETREGSET, NT_X86_XSTATE) must carry the host's whole XSAVE area, and
+# bookworm's UML 6.1 has a fixed buffer smaller than it is on a CPU with AMX (11 KB). Its
+# init dies at the first context switch; nothing the guest runs can work around it.
+FPU_STATE_FAILURE = "ptrace set fp regs failed"
+FPU_STATE_REASON = (
+    "this host's CPU has a larger FPU state (AVX-512/AMX XSAVE area) than the UML kernel "
+    f"of the {UML_PACKAGE} package can pass through ptrace (its init dies with "
+    f'"{FPU_STATE_FAILURE}, errno = 14"); UML guests cannot run on this host. Debian\'s '
+    "newer UML kernels (7.x) boot here but are built without iptables and nf_tables for "
+    "IPv4, so ipvs mode would need a UML kernel built for it"
+)
+
+
 def in_uml() -> bool:
     """Whether this process runs inside a guest started by this module."""
     return os.environ.get(IN_UML_ENV) == "1"
@@ -131,11 +147,27 @@ def find_linux_uml() -> str:
 
 
 def uml_supported() -> tuple[bool, str]:
-    """Whether a guest can be booted here; the reason is meant for pytest skip messages."""
+    """Whether UML is installed here (cheap); the reason is meant for pytest skip messages.
+    uml_boots() also boots a guest once, for the host incompatibilities only a boot shows."""
     try:
         find_linux_uml()
     except UmlUnavailable as exc:
         return False, str(exc)
+    return True, ""
+
+
+@functools.cache
+def uml_boots() -> tuple[bool, str]:
+    """uml_supported(), plus one probe boot (about 1.5 s, cached for the process) that
+    fails only for a known host incompatibility (FPU_STATE_REASON). Any other failure of
+    the probe counts as bootable, so that the runs after it fail and show the real error."""
+    ok, reason = uml_supported()
+    if not ok:
+        return ok, reason
+    with UmlGuest(timeout=60.0, modules=()) as guest:
+        probe = guest.run(["true"])
+    if not probe.ok and FPU_STATE_FAILURE in probe.console:
+        return False, FPU_STATE_REASON
     return True, ""
 
 
@@ -197,6 +229,8 @@ class UmlResult:
         else:
             head = f"command exited {self.returncode} inside the UML guest"
         parts = [f"{head}: {shlex.join(self.argv)}"]
+        if self.returncode is None and FPU_STATE_FAILURE in self.console:
+            parts.append(FPU_STATE_REASON)
         for name, text in (("output", self.output), ("init", self.init_log)):
             if text.strip():
                 parts.append(f"--- {name} (tail) ---\n{text.strip()[-3000:]}")

@@ -13,10 +13,10 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
+if TYPE_CHECKING:  # rich is imported where text is rendered (`kproxy run` has none)
+    from rich.console import Console
 
 EXIT_SAFE = 0
 EXIT_BLOCKED = 1
@@ -120,6 +120,9 @@ def render_text(
 
     rich only colours when writing to a terminal; piped output is plain text. Texts are
     escaped, so a value like "[KUBE-SVC]" is never taken for markup."""
+    from rich.console import Console
+    from rich.markup import escape
+
     out = console or Console(highlight=False, soft_wrap=True, emoji=False)
     names = labels or {Severity.BLOCK: "BLOCK", Severity.WARN: "WARN", Severity.INFO: "INFO"}
     out.print(escape(header), style="bold")
