@@ -5,9 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-APT_TOOLS := iptables:iptables nft:nftables ipset:ipset conntrack:conntrack ip:iproute2 modprobe:kmod sysctl:procps linux.uml:user-mode-linux ipvsadm:ipvsadm
+APT_TOOLS := iptables:iptables nft:nftables ipset:ipset conntrack:conntrack ip:iproute2 modprobe:kmod sysctl:procps linux.uml:user-mode-linux ipvsadm:ipvsadm flex:flex bison:bison bc:bc
 
-.PHONY: demo test unit kernel lint bench tools venv clean
+.PHONY: demo test unit kernel lint bench tools venv uml-kernel clean
 
 tools:
 	@missing=""; for pair in $(APT_TOOLS); do \
@@ -30,14 +30,19 @@ venv: $(STAMP)
 demo: tools venv
 	$(BIN)/kproxy demo
 
-test: tools venv
+# The UML guest kernel of the ipvs tests: built once per machine, only where Debian's cannot
+# boot (README "UML on hosts where Debian's kernel cannot boot").
+uml-kernel: tools venv
+	-$(BIN)/kproxy lab uml-kernel --if-needed
+
+test: tools venv uml-kernel
 	$(BIN)/ruff check src tests bench
 	$(BIN)/python -m pytest -q
 
 unit: venv
 	$(BIN)/python -m pytest -q -m "not kernel"
 
-kernel: tools venv
+kernel: tools venv uml-kernel
 	$(BIN)/python -m pytest -q -m kernel
 
 bench: tools venv

@@ -200,3 +200,50 @@ def uml_run(
 
 if __name__ == "__main__":
     lab_app()
+
+
+@lab_app.command("uml-kernel")
+def uml_kernel_build(
+    if_needed: Annotated[
+        bool,
+        typer.Option(
+            "--if-needed",
+            help="Build only when no kernel was built here yet and Debian's cannot boot "
+            "on this host (what `make test` runs).",
+        ),
+    ] = False,
+    jobs: Annotated[int | None, typer.Option("--jobs", help="make -j (default: CPUs).")] = None,
+) -> None:
+    """Build the UML guest kernel for hosts where Debian's cannot boot (see README).
+
+    Fetches the newest linux-source of Debian unstable, configures it for the lab and
+    ipvs mode and installs it under /var/cache/kproxy/uml-kernel (KPROXY_UML_KERNEL_DIR),
+    where the UML harness finds it. Takes several minutes on 2 cores.
+    """
+    from kproxy.lab import uml_kernel
+    from kproxy.lab.uml import uml_boots, uml_supported
+
+    if if_needed:
+        built = uml_kernel.kernel()
+        if built is not None and uml_kernel.up_to_date():
+            typer.echo(f"UML kernel: {built} (built earlier)")
+            return
+        if built is not None:
+            typer.echo(f"UML kernel: {built} was built from another recipe; rebuilding")
+        else:
+            installed, why = uml_supported()
+            if not installed:
+                typer.echo(f"UML kernel: not built ({why})")
+                return
+            boots, why = uml_boots()
+            if boots:
+                typer.echo("UML kernel: Debian's boots on this host; nothing to build")
+                return
+            typer.echo(f"UML kernel: Debian's cannot boot here: {why}")
+    started = time.perf_counter()
+    try:
+        path = uml_kernel.build(lambda line: typer.echo(f"  {line}"), jobs=jobs)
+    except (uml_kernel.KernelBuildError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"UML kernel built in {time.perf_counter() - started:.0f} s: {path}")
