@@ -127,7 +127,7 @@ FPU_STATE_REASON = (
     f"of the {UML_PACKAGE} package can pass through ptrace (its init dies with "
     f'"{FPU_STATE_FAILURE}, errno = 14"); UML guests cannot run on this host. Debian\'s '
     "newer UML kernels (7.x) boot here but are built without iptables and nf_tables for "
-    "IPv4, so ipvs mode would need a UML kernel built for it"
+    "IPv4: build one for the lab with `kproxy lab uml-kernel` (`make test` does)"
 )
 
 
