@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kproxy.dataplane.base import OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.custody import Custody
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables import names
 from kproxy.dataplane.iptables.backend import (
@@ -99,9 +100,8 @@ class IptablesDataplane:
         self.state_dir = state_dir
         self.piece_services = piece_services
         self._applied: AppliedState | None = None
-        # The nf_tables generation at which the kernel held exactly what _applied describes
-        # (module docstring), or None when that is not known.
-        self._custody: int | None = None
+        # Whether the kernel provably holds what _applied describes (module docstring).
+        self._custody = Custody(backend.generation)
 
     # --- sync --------------------------------------------------------------------------------
 
@@ -111,7 +111,7 @@ class IptablesDataplane:
             full = True
         # A full sync over a kernel that provably holds what we last wrote writes only what
         # changed; it still counts as the full sync it stands for.
-        proven = full and applied is not None and self._kernel_unchanged()
+        proven = full and applied is not None and self._custody.holds()
         write_all = full and not proven
         missing_top: list[str] = []
         outlines: dict[str, TableOutline] = {}
@@ -131,8 +131,7 @@ class IptablesDataplane:
             existing = applied.chains
             rewrite = None
         else:
-            # The state the read below sees: custody starts here (module docstring).
-            self._custody = self.backend.generation()
+            self._custody.begin()  # the state the read below sees
             # One save serves both the stale-chain search and the jump check (-C per jump
             # would reload the whole table each time: 0.7 s per jump at 10,000 services).
             outlines = self.backend.outlines(("nat", "filter"))
@@ -175,7 +174,7 @@ class IptablesDataplane:
         # Unverified: the next sync is a full one that reads the tables first.
         self._applied = None
         if not verified:
-            self._custody = None
+            self._custody.end()
         else:
             self._applied = AppliedState(
                 services=dict(snapshot.services),
@@ -198,21 +197,14 @@ class IptablesDataplane:
 
     def distrust_kernel(self) -> None:
         """Make the next full sync read and rewrite everything (an operator asked for it)."""
-        self._custody = None
-
-    def _kernel_unchanged(self) -> bool:
-        """Every nf_tables commit in this namespace since our last full read of the tables
-        was one of our own restores (module docstring)."""
-        return self._custody is not None and self.backend.generation() == self._custody
+        self._custody.end()
 
     def _restore(self, data: str, which: str) -> None:
-        before = self.backend.generation() if self._custody is not None else None
-        if before != self._custody:
-            before = self._custody = None  # someone else committed since our last step
         try:
-            self.backend.restore(data)
+            # iptables-nft-restore commits once per table section.
+            with self._custody.own_commits(lambda: data.count("\nCOMMIT\n")):
+                self.backend.restore(data)
         except RestoreError as err:
-            self._custody = None
             self._keep_failed(data, err)
             # Chains written by earlier pieces are consistent on their own, but what we
             # believe is applied is no longer exact: force the next sync to be full.
@@ -220,14 +212,7 @@ class IptablesDataplane:
             raise SyncError(f"iptables restore failed ({which}): {err}", kept_input=data) from err
         except IptablesError as err:
             self._applied = None
-            self._custody = None
             raise SyncError(f"iptables restore failed: {err}") from err
-        if before is not None:
-            # Exactly our own commits (one per table section) in between: custody holds.
-            after = self.backend.generation()
-            ours = data.count("\nCOMMIT\n")
-            ok = after is not None and (after - before) % (1 << 32) == ours
-            self._custody = after if ok else None
 
     def _drift_repair(
         self, plan: IptablesPlan, reading: Future[dict[str, TableOutline]]
@@ -326,7 +311,7 @@ class IptablesDataplane:
 
     def drifted(self) -> bool:
         """True when the kernel lost our state behind our back (the canary chain is gone)."""
-        if self._applied is None or self._kernel_unchanged():
+        if self._applied is None or self._custody.holds():
             return False
         try:
             present = self.backend.chain_exists("nat", CANARY_CHAIN)
@@ -394,7 +379,7 @@ class IptablesDataplane:
             except IptablesError as err:
                 raise SyncError(f"could not detach iptables mode: {err}") from err
         self._applied = None  # a later sync must re-attach (full)
-        self._custody = None
+        self._custody.end()
 
     def _keep_failed(self, data: str, err: RestoreError) -> None:
         log.error("%s", err)

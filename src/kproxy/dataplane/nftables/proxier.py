@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kproxy.dataplane.base import DataplaneUnavailable, OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.custody import Custody
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import Runner, in_netns, run_command
 from kproxy.dataplane.nftables import names as n
@@ -171,9 +172,9 @@ class NftablesDataplane:
         self.state_dir = state_dir
         self.clock = clock
         self._state: TableState | None = None  # None: unknown, the next sync is full
-        # The nf_tables generation at which the kernel held exactly _state (module
-        # docstring); only consulted while _state is known.
-        self._custody: int | None = None
+        # Whether the kernel provably holds _state (module docstring); only consulted while
+        # _state is known. A test's backend may have no generation to read.
+        self._custody = Custody(getattr(self.backend, "generation", lambda: None))
         self._base_chains_recreated = False  # upstream's "flushed"
         self._synced_once = False
         self.last_plan: NftablesPlan | None = None
@@ -205,7 +206,7 @@ class NftablesDataplane:
         if stale_removed is None:
             full = True  # what is stale and what exists is no longer known exactly
             stale_removed = 0
-        proven = full and self._state is not None and self._kernel_unchanged()
+        proven = full and self._state is not None and self._custody.holds()
         write_all = full and not proven
         timings["stale_delete"] = time.perf_counter() - started
         mark = time.perf_counter()
@@ -216,7 +217,7 @@ class NftablesDataplane:
         skip: set[str] | None = None
         flush: list[str] = []
         if write_all:
-            self._custody = self._generation()  # the state the read below sees
+            self._custody.begin()  # the state the read below sees
             state, flush = self._read_kernel(plan)
             timings["read"] = time.perf_counter() - mark
             mark = time.perf_counter()
@@ -262,32 +263,17 @@ class NftablesDataplane:
 
     def distrust_kernel(self) -> None:
         """Make the next full sync read and rewrite everything (an operator asked for it)."""
-        self._custody = None
-
-    def _generation(self) -> int | None:
-        read = getattr(self.backend, "generation", None)  # a test's backend may have none
-        return read() if read is not None else None
-
-    def _kernel_unchanged(self) -> bool:
-        return self._custody is not None and self._generation() == self._custody
+        self._custody.end()
 
     def _apply(self, tx: Transaction) -> None:
         """backend.apply, keeping custody when the generation moved by our commits only."""
-        before = self._generation() if self._custody is not None else None
-        commits = getattr(self.backend, "commits", None)
-        if before is None or before != self._custody or commits is None:
-            self._custody = None
+        start = getattr(self.backend, "commits", None)
+        if start is None:  # a backend that does not count its commits proves nothing
+            self._custody.end()
             self.backend.apply(tx)
             return
-        try:
+        with self._custody.own_commits(lambda: self.backend.commits - start):  # type: ignore[attr-defined]
             self.backend.apply(tx)
-        except BaseException:
-            self._custody = None
-            raise
-        after = self._generation()
-        ours = getattr(self.backend, "commits", 0) - commits
-        ok = after is not None and (after - before) % (1 << 32) == ours
-        self._custody = after if ok else None
 
     def _delete_stale_chains(self, now: float) -> int | None:
         """Delete chains stale for long enough; None when that transaction failed."""
