@@ -139,13 +139,23 @@ def in_uml() -> bool:
 DEBIAN_MODULES = Path("/usr/lib/uml/modules")
 
 
-def find_linux_uml() -> str:
-    """The guest kernel: the one built for this machine (uml_kernel), else Debian's."""
+def guest_kernel() -> tuple[str, Path]:
+    """The guest kernel and the directory its modules' <release>/ lies below: the kernel
+    built for this machine (uml_kernel), else Debian's."""
     from kproxy.lab import uml_kernel
 
     built = uml_kernel.kernel()
     if built is not None:
-        return str(built)
+        return str(built), uml_kernel.module_dir()
+    return find_debian_uml(), DEBIAN_MODULES
+
+
+def find_linux_uml() -> str:
+    return guest_kernel()[0]
+
+
+def find_debian_uml() -> str:
+    """Debian's linux.uml; UmlUnavailable naming the package when it is missing."""
     found = shutil.which("linux.uml") or shutil.which("linux.uml", path="/usr/bin:/bin")
     if not found:
         raise UmlUnavailable(
@@ -289,14 +299,7 @@ class UmlGuest:
             raise ValueError(
                 f"timeout ({timeout} s) must leave {GUEST_OVERHEAD:.0f} s for boot and poweroff"
             )
-        self.linux = find_linux_uml()
-        from kproxy.lab import uml_kernel
-
-        # <release>/ of the guest kernel's modules lies below this.
-        built = uml_kernel.kernel()
-        self.module_dir = (
-            uml_kernel.module_dir() if built and str(built) == self.linux else DEBIAN_MODULES
-        )
+        self.linux, self.module_dir = guest_kernel()
         self.mem = mem
         self.timeout = timeout
         self.command_timeout = command_timeout
