@@ -5,10 +5,13 @@ one more the load goes to); `kproxy switch` is timed from the command line while
 long-lived connections run; failures are counted.
 
     .venv/bin/python -m bench.switch_bench [--sizes 1000,10000] [--pairs iptables:nftables,...]
-        [--port-range 32768-43767]
+        [--port-range 32768-43767] [--backend nft|legacy] [--uml [--mem 4G]]
 
 --port-range sets the config's portRange (userspace mode's proxy ports): the default
 20000-29999 holds 10,000 listeners, fewer than 10,000 services need (preflight refuses).
+--uml runs the same inside a User-Mode Linux guest (the pairs with ipvs: the host kernel
+has no ip_vs); the iptables layer there is iptables-legacy unless --backend says
+otherwise. UML makes every syscall a host round trip: compare pairs within one run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import yaml
 from kproxy.lab.load import LoadHarness
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
+from kproxy.lab.uml import in_uml
+
+REPO = Path(__file__).resolve().parents[1]
 
 CONFIG = """\
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
@@ -99,7 +105,9 @@ def write_objects(folder: Path, n: int, pods: list[str]) -> None:
     )
 
 
-def run_pair(n: int, first: str, second: str, port_range: str = "") -> list[dict[str, object]]:
+def run_pair(
+    n: int, first: str, second: str, port_range: str = "", backend: str = "nft"
+) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     with Lab(pods=10, clients=2) as lab, tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -110,7 +118,7 @@ def run_pair(n: int, first: str, second: str, port_range: str = "") -> list[dict
             lab,
             work / "objects",
             config=cfg,
-            args=["--iptables-backend", "nft"],
+            args=["--iptables-backend", backend],
             workdir=work / "kp",
         )
         proxy.start(timeout=900)
@@ -171,28 +179,55 @@ def run_pair(n: int, first: str, second: str, port_range: str = "") -> list[dict
     return rows
 
 
-def main() -> None:
+def in_guest(args: argparse.Namespace) -> int:
+    """This benchmark again inside a UML guest; its output is printed as it comes back."""
+    from kproxy.lab.uml import UmlGuest
+
+    argv = [sys.executable, "-m", "bench.switch_bench", "--sizes", args.sizes]
+    argv += ["--pairs", args.pairs, "--backend", args.backend or "legacy"]
+    if args.port_range:
+        argv += ["--port-range", args.port_range]
+    with UmlGuest(mem=args.mem, timeout=args.timeout) as guest:
+        result = guest.run(argv, cwd=REPO, env={"PYTHONPATH": str(REPO)})
+    print(result.output, end="")
+    return result.returncode
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--sizes", default="1000")
     ap.add_argument("--pairs", default="iptables:nftables,iptables:userspace,nftables:userspace")
     ap.add_argument("--port-range", default="", help="the config's portRange (default: none)")
+    ap.add_argument(
+        "--backend", choices=("nft", "legacy"), help="iptables backend (nft; UML: legacy)"
+    )
+    ap.add_argument("--uml", action="store_true", help="run inside a UML guest (ipvs pairs)")
+    ap.add_argument("--mem", default="4G", help="the UML guest's memory")
+    ap.add_argument("--timeout", type=float, default=7200.0, help="the UML guest's wall budget")
     args = ap.parse_args()
+    if args.uml:
+        return in_guest(args)
+    backend = args.backend or ("legacy" if in_uml() else "nft")
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
         for pair in args.pairs.split(","):
             first, second = pair.split(":")
-            rows += run_pair(n, first, second, args.port_range)
-    print("\n| services | switch | ok | total s | program | verify | cut-over | remove | failed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+            rows += run_pair(n, first, second, args.port_range, backend)
+    print(
+        "\n| services | switch | ok | total s | preflight | program | verify | cut-over | remove"
+        " | failed |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['services']:,} | {r['from']} → {r['to']} | {r['ok']} | {r['seconds']} |"
-            f" {r['program']} | {r['verify']} | {r['cut_over']} | {r['remove']} |"
-            f" {r['failed_requests']} / {r['requests']} |"
+            f" {r['preflight']} | {r['program']} | {r['verify']} | {r['cut_over']} |"
+            f" {r['remove']} | {r['failed_requests']} / {r['requests']} |"
         )
+    return 0 if rows and all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

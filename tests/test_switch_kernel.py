@@ -13,6 +13,7 @@ import pytest
 from kproxy.lab.load import LoadHarness
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
+from kproxy.server.admin import SOCKET_NAME
 from tests.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
@@ -92,6 +93,9 @@ def test_switch_through_every_mode_under_load_fails_nothing(lab: Lab, tmp_path: 
     import time
 
     proxy = start(lab, tmp_path, "iptables")
+    # Synced means switchable: the admin socket exists before the first sync is reported
+    # (it came after, and a switch sent at once found no socket).
+    assert (proxy.state_dir / SOCKET_NAME).exists()
     load = LoadHarness(lab, tcp=("10.96.0.10", 80), udp=("10.96.0.53", 53)).start()
     reports = []
     try:

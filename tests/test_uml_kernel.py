@@ -77,5 +77,5 @@ def test_a_kernel_built_from_another_recipe_is_not_up_to_date(
     (tmp_path / "linux").chmod(0o755)
     (tmp_path / "recipe").write_text(uml_kernel.recipe() + "\n")
     assert uml_kernel.up_to_date()
-    monkeypatch.setattr(uml_kernel, "OPTIONS", (*uml_kernel.OPTIONS, "CONFIG_NF_TABLES_IPV4=y"))
+    monkeypatch.setattr(uml_kernel, "OPTIONS", (*uml_kernel.OPTIONS, "CONFIG_NFT_TUNNEL=m"))
     assert not uml_kernel.up_to_date()

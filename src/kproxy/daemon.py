@@ -80,6 +80,7 @@ class Daemon:
         self.switcher = ModeSwitcher(make_dataplane=make, state_dir=state_dir)
         self.previous_mode: str | None = None
         self.last_switch: dict[str, object] | None = None
+        self.first_sync_done = threading.Event()
         log.info("node %s: node IPs %s", node_name, ", ".join(facts.node_ips) or "none")
         if options.localhost_nodeports:
             # NodePorts on 127.0.0.1 need route_localnet (upstream sets it too); KUBE-FIREWALL
@@ -127,8 +128,11 @@ class Daemon:
         log.info("kproxy starting in %s mode on node %s", self.dataplane.mode, self.node_name)
         for server in self.servers:
             server.start()
-        self.loop.start(self.source)
+        # Before the first sync: once the status says synced, `kproxy switch` must find
+        # the socket (a switch request waits for the first sync, _switch_request).
         self.admin.start()
+        self.loop.start(self.source)
+        self.first_sync_done.set()
         if self.config_watch is not None:
             self.config_watch.start()
 
@@ -169,11 +173,17 @@ class Daemon:
         if not isinstance(to, str):
             return {"ok": False, "error": "switch needs 'to': a mode name or 'previous'"}
         timeout = request.get("timeout", 60.0)
+        timeout = float(timeout) if isinstance(timeout, int | float) else 60.0
         before = request.get("before")
+        # The snapshot a switch programs comes from the source's first delivery.
+        if not self.first_sync_done.wait(timeout):
+            return {
+                "ok": False,
+                "error": f"kproxy is still starting: its first sync did not finish within"
+                f" {timeout:.0f} s; nothing was changed, try again",
+            }
         return self.switch(
-            to,
-            float(timeout) if isinstance(timeout, int | float) else 60.0,
-            Path(before) if isinstance(before, str) and before else None,
+            to, timeout, Path(before) if isinstance(before, str) and before else None
         )
 
     def _sync_request(self, _: dict[str, object]) -> dict[str, object]:

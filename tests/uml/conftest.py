@@ -6,8 +6,9 @@ pass/fail/skip per inner test. The `lab` / `lab_module` fixtures from tests/conf
 work here unchanged (the guest has private /run and /tmp).
 
 Inside the guest:
-- use `iptables-legacy` / `iptables-legacy-restore` (the UML kernel has no nf_tables ip
-  family, G9): the `guest` fixture names them;
+- use `iptables-legacy` / `iptables-legacy-restore` (Debian's UML kernels have no
+  nf_tables ip family, G9; kproxy's own, `kproxy lab uml-kernel`, has it for nftables mode,
+  `guest.require_nftables()` skips without it): the `guest` fixture names them;
 - the `lab` / `lab_module` node namespaces carry kubelet's KUBE-IPTABLES-HINT chain in
   the legacy mangle table, as on a real node whose kubelet uses iptables-legacy, so
   `--iptables-backend auto` detects "legacy" there (an empty node would detect "nft");
@@ -39,6 +40,8 @@ BLOCK_CONF = Path("/run/modprobe.d/kproxy-test-block.conf")
 IPTABLES = "iptables-legacy"
 IPTABLES_RESTORE = "iptables-legacy-restore"
 IPTABLES_SAVE = "iptables-legacy-save"
+# What nftables mode needs of the guest kernel (kproxy.ops.preflight.kernel's list).
+NFTABLES_MODULES = ("nft_chain_nat", "nft_ct", "nft_nat", "nft_masq", "nft_numgen", "nft_fib_ipv4")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -117,9 +120,22 @@ class Guest:
     iptables_save: str = IPTABLES_SAVE
 
     def require(self, *modules: str) -> None:
-        missing = [m for m in modules if self.modules.get(m, "missing") == "missing"]
+        missing = self.missing(*modules)
         if missing:
             pytest.fail(f"kernel modules missing in the UML guest: {', '.join(missing)}")
+
+    def missing(self, *modules: str) -> list[str]:
+        return [m for m in modules if self.modules.get(m, "missing") == "missing"]
+
+    def require_nftables(self) -> None:
+        """Skip where the guest kernel has no nf_tables for ip: Debian's UML kernels
+        (`make test` builds kproxy's own first, `kproxy lab uml-kernel`, which has it)."""
+        missing = self.missing(*NFTABLES_MODULES)
+        if missing:
+            pytest.skip(
+                f"the UML guest kernel has no nf_tables for ip ({', '.join(missing)} missing):"
+                " Debian's UML kernels lack it; `kproxy lab uml-kernel` builds one that has it"
+            )
 
 
 def _load_guest() -> Guest:

@@ -118,7 +118,8 @@ def _private_root(tmp_path: Path, modules_load: str | None) -> NodeAccess:
 
 
 # A private root is read from the guest's own namespace, which has no backend hint (it
-# would detect iptables-nft, whose nat chains this kernel cannot build): say legacy.
+# would detect iptables-nft, whose nat chains Debian's UML kernels cannot build): say
+# legacy, as the lab's node is.
 KERNEL_ONLY: dict[str, Any] = {"families": ("kernel",), "flavour": "legacy"}
 
 

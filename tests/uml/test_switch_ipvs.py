@@ -3,14 +3,16 @@
 As tests/test_switch_kernel.py on the host: `kproxy run` on the lab node, fresh TCP
 connections every few ms, long-lived TCP connections pinging every 100 ms and a UDP flow,
 then `kproxy switch --to MODE` over the admin socket. Zero failed requests and zero dropped
-long-lived connections in every pair. The iptables layer is iptables-legacy (G9). The
+long-lived connections in every pair. The iptables layer is iptables-legacy (G9); the
+nftables pairs need nf_tables for ip, which only kproxy's own UML kernel has. The
 long-lived connections are opened in the mode the node starts in, so each direction keeps
 connections that were set up by the old mode's translation.
 
 One kproxy serves the whole module (starting one costs seconds in UML): each test takes
 it in the mode the previous one left it in, which the tests are ordered for (ipvs ->
-userspace -> ipvs, ipvs -> iptables, iptables -> ipvs -> iptables), as a node switched
-again and again would be. A test run alone, or after a failed one, gets a fresh kproxy on
+userspace -> ipvs, ipvs -> nftables -> ipvs, ipvs -> iptables, iptables -> ipvs ->
+iptables, then nftables -> ipvs -> nftables on a fresh node), as a node switched again and
+again would be. A test run alone, or after a failed one, gets a fresh kproxy on
 a wiped node.
 """
 
@@ -30,8 +32,9 @@ from kproxy.lab.load import LoadHarness, LoadResult
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from kproxy.leftovers import clean_leftovers
-from kproxy.server.admin import SOCKET_NAME, call
+from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
 from tests.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.uml.conftest import Guest
 
 pytestmark = pytest.mark.kernel
 
@@ -86,15 +89,25 @@ def start(lab: Lab, tmp: Path, mode: str) -> ProxyProcess:
 def switch(proxy: ProxyProcess, to: str, timeout: float = 120) -> dict[str, Any]:
     """The switch over the admin socket, as `kproxy switch` sends it after its preflight
     (the preflight alone takes ~40 s in UML; tests/test_switch_kernel.py runs the CLI)."""
-    return call(
-        proxy.state_dir / SOCKET_NAME, {"op": "switch", "to": to, "timeout": timeout}, timeout
-    )
+    request = {"op": "switch", "to": to, "timeout": timeout}
+    try:
+        return call(proxy.state_dir / SOCKET_NAME, request, timeout)
+    except AdminUnavailable as exc:
+        pytest.fail(f"{exc}; kproxy's log:\n{proxy.log_tail(40)}")
+
+
+def nft_table(lab: Lab) -> str:
+    """nftables mode's table in the node ("" without it, or without nf_tables for ip)."""
+    return lab.exec(lab.node_ns, ["nft", "list", "table", "ip", "kube-proxy"], check=False).stdout
 
 
 def live_modes(lab: Lab) -> set[str]:
-    """Which modes are in the node's packet path (iptables-legacy, IPVS)."""
+    """Which modes are in the node's packet path (iptables-legacy, IPVS, nftables' base
+    chains: a cut-over out of nftables deletes them first)."""
     save = lab.exec(lab.node_ns, ["iptables-legacy-save"]).stdout
     modes: set[str] = set()
+    if "hook prerouting" in nft_table(lab):
+        modes.add("nftables")
     if "-A PREROUTING" in save and "-j KUBE-SVC-" in save:
         modes.add("iptables")
     if "-j KUBE-PORTALS-CONTAINER" in save:
@@ -110,7 +123,10 @@ def live_modes(lab: Lab) -> set[str]:
 
 def leftovers(lab: Lab, mode: str = "ipvs") -> list[str]:
     """A mode's state anywhere in the node (must be gone after a switch out of it): ipvs's,
-    or userspace's (its chains, its workers, the transparent-proxy policy route)."""
+    nftables' (its table) or userspace's (its chains, its workers, the transparent-proxy
+    policy route)."""
+    if mode == "nftables":
+        return ["table ip kube-proxy"] if nft_table(lab) else []
     if mode == "userspace":
         save = lab.exec(lab.node_ns, ["iptables-legacy-save"]).stdout
         found = sorted({c for c in USERSPACE_CHAINS if f":{c} " in save})
@@ -332,6 +348,47 @@ def test_ipvs_to_userspace_and_back_keeps_the_connections_ipvs_set_up(switch_nod
     assert "drained after" not in log, "the reaper deleted what the new ipvs mode adopted"
 
 
+def test_ipvs_to_nftables_and_back_keeps_the_connections_ipvs_set_up(
+    switch_node: Node, guest: Guest
+) -> None:
+    """ipvs -> nftables -> ipvs under load: no request fails, no stream drops.
+
+    As the userspace pair above: the streams IPVS set up keep their virtual server, which
+    drains while new flows take nftables' DNAT in prerouting (before IPVS sees them in
+    LOCAL_IN); back into ipvs, the new ipvs mode adopts the kept virtual server, and
+    nftables' table goes (base chains first, at the cut-over)."""
+    guest.require_nftables()
+
+    def settled(lab: Lab, report: dict[str, Any]) -> bool:
+        if report["to_mode"] == "nftables":
+            return (
+                live_modes(lab) == {"nftables", "ipvs"}
+                and ipvs_state(lab) == (["-A -t 10.96.0.10:80"], ["10.96.0.10"])
+                and leftovers(lab) == ["virtual servers", "kube-ipvs0"]
+            )
+        return (
+            live_modes(lab) == {"ipvs"}
+            and ipvs_state(lab)
+            == (["-A -t 10.96.0.10:80", "-A -u 10.96.0.53:53"], sorted([DNS[0], WEB[0]]))
+            and leftovers(lab, "nftables") == []
+        )
+
+    proxy = switch_node.serving("ipvs")
+    logged = proxy.log_path.stat().st_size
+    reports, result = run_switches(switch_node, "ipvs", ["nftables", "previous"], settled)
+    assert [r["to_mode"] for r in reports] == ["nftables", "ipvs"]
+    assert result.streams_dropped == 0 and result.failures == 0, result.summary()
+    remove = next(s for s in reports[0]["steps"] if s["name"] == "remove")
+    assert "draining 1 virtual servers: TCP 10.96.0.10:80" in remove["detail"], remove
+    assert any("kube-proxy" in r for r in reports[1]["removed"]), reports[1]["removed"]
+    with proxy.log_path.open() as f:
+        f.seek(logged)
+        log = f.read()
+    assert HELD in log, log[-3000:]
+    assert "stopped reaping with draining 1 virtual servers" in log, log[-3000:]
+    assert "drained after" not in log, "the reaper deleted what the new ipvs mode adopted"
+
+
 def test_ipvs_to_iptables_keeps_connections_ipvs_set_up(switch_node: Node) -> None:
     """ipvs -> iptables under load: no fresh TCP or UDP request fails, and the 5 long-lived
     connections IPVS set up survive (their virtual server drains instead of going) and keep
@@ -392,6 +449,23 @@ def test_iptables_to_ipvs_and_back_under_load_fails_nothing(switch_node: Node) -
     assert [r["to_mode"] for r in reports] == ["ipvs", "iptables"]
     assert result.streams_dropped == 0 and result.failures == 0, result.summary()
     assert any("KUBE-SVC-" in r for r in reports[0]["removed"]), reports[0]["removed"]
+    remove = next(s for s in reports[1]["steps"] if s["name"] == "remove")
+    assert any("kube-ipvs0" in r for r in reports[1]["removed"]) or (
+        "kube-ipvs0 kept" in remove["detail"]
+    ), (reports[1]["removed"], remove)
+    assert leftovers(switch_node.lab) == []
+
+
+def test_nftables_to_ipvs_and_back_under_load_fails_nothing(
+    switch_node: Node, guest: Guest
+) -> None:
+    """nftables -> ipvs -> nftables: connections set up by nftables' DNAT survive both (the
+    switch's conntrack anchor holds the NAT hooks while nftables' table goes)."""
+    guest.require_nftables()
+    reports, result = run_switches(switch_node, "nftables", ["ipvs", "previous"])
+    assert [r["to_mode"] for r in reports] == ["ipvs", "nftables"]
+    assert result.streams_dropped == 0 and result.failures == 0, result.summary()
+    assert any("kube-proxy" in r for r in reports[0]["removed"]), reports[0]["removed"]
     remove = next(s for s in reports[1]["steps"] if s["name"] == "remove")
     assert any("kube-ipvs0" in r for r in reports[1]["removed"]) or (
         "kube-ipvs0 kept" in remove["detail"]

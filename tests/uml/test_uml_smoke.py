@@ -164,7 +164,8 @@ def test_ipvs_sh_sticks_to_one_pod(ipvs_lab: Lab) -> None:
 
 
 def test_lab_node_detects_legacy_iptables(lab_module: Lab) -> None:
-    # G9: nf_tables has no ip family in this kernel; the lab node looks like a legacy node.
+    # The lab node carries kubelet's hint in the legacy mangle table (tests/uml/conftest.py),
+    # whether or not the guest kernel has nf_tables for ip (G9: Debian's do not).
     assert detect_backend(lab_module.node_ns) == "legacy"
 
 

@@ -103,6 +103,10 @@ GUEST_MODULES: tuple[str, ...] = (
         for t in ("hash_ip", "hash_ipport", "hash_ipportip", "hash_ipportnet", "hash_net")
     ),
     "ip_set_bitmap_port",
+    # nftables mode (and iptables-nft); only kproxy's own UML kernel has the ip family.
+    "nf_tables",
+    *(f"nft_{x}" for x in ("chain_nat", "ct", "nat", "masq", "numgen", "fib_ipv4", "compat")),
+    "nft_reject_ipv4",
     "veth",
     "bridge",
     "dummy",

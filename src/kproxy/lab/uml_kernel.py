@@ -1,10 +1,11 @@
-"""A UML kernel for the lab, built here where Debian's cannot boot (`kproxy lab uml-kernel`).
+"""The lab's UML guest kernel, built here (`kproxy lab uml-kernel`): Debian's do not fit.
 
 Debian bookworm's user-mode-linux (6.1) hands a process's FPU state to the host through
 ptrace with a fixed-size buffer; on a CPU whose XSAVE area is larger (AMX: 11 KB) the host
 refuses it and the guest's init dies at once (uml.FPU_STATE_REASON). UML sizes that buffer
 from the host since 6.13, but Debian's newer UML packages are built without legacy
-iptables, which the guest's ipvs mode uses. So this module builds one: the newest
+iptables, which the guest's ipvs mode uses, and none has nf_tables for ip, which nftables
+mode needs. So this module builds one: the newest
 `linux-source-X.Y` (X.Y >= 6.13) of Debian's unstable suite, arch/um's x86_64_defconfig
 plus the networking options of the installed Debian UML kernel (its config.gz: the guest
 gets the network stack the tests were written against, policy routing and TPROXY
@@ -73,8 +74,27 @@ OPTIONS: tuple[str, ...] = (
     "CONFIG_NF_CT_PROTO_SCTP=y",
     "CONFIG_NF_CT_NETLINK=m",
     "CONFIG_NF_NAT=m",
-    # As in Debian's UML 6.1: nf_tables without the ip family (dataplane-lab G9).
+    # nf_tables with the ip family, which Debian's UML kernels lack (dataplane-lab G9): the
+    # guest runs nftables mode and iptables-nft beside IPVS (the ipvs <-> nftables switch).
     "CONFIG_NF_TABLES=m",
+    "CONFIG_NF_TABLES_IPV4=y",
+    *(
+        f"CONFIG_NFT_{x}=m"
+        for x in (
+            "CT",
+            "NAT",
+            "MASQ",
+            "REDIR",
+            "NUMGEN",
+            "FIB",
+            "FIB_IPV4",
+            "REJECT",
+            "REJECT_IPV4",
+            "COMPAT",
+            "LIMIT",
+            "HASH",
+        )
+    ),
     "CONFIG_NETFILTER_XTABLES=m",
     "CONFIG_NETFILTER_XTABLES_LEGACY=y",
     *(
