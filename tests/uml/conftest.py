@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,8 +32,9 @@ from typing import Any
 
 import pytest
 
+from kproxy.lab import uml_kernel
 from kproxy.lab.topology import Lab
-from kproxy.lab.uml import RUN_DIR_ENV, in_uml
+from kproxy.lab.uml import NFTABLES_GUEST_MODULES, RUN_DIR_ENV, in_uml
 
 REPORT_ENV = "KPROXY_UML_REPORT"
 # kmod reads /run/modprobe.d, which is the guest's private tmpfs.
@@ -40,8 +42,6 @@ BLOCK_CONF = Path("/run/modprobe.d/kproxy-test-block.conf")
 IPTABLES = "iptables-legacy"
 IPTABLES_RESTORE = "iptables-legacy-restore"
 IPTABLES_SAVE = "iptables-legacy-save"
-# What nftables mode needs of the guest kernel (kproxy.ops.preflight.kernel's list).
-NFTABLES_MODULES = ("nft_chain_nat", "nft_ct", "nft_nat", "nft_masq", "nft_numgen", "nft_fib_ipv4")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -127,15 +127,22 @@ class Guest:
     def missing(self, *modules: str) -> list[str]:
         return [m for m in modules if self.modules.get(m, "missing") == "missing"]
 
+    @property
+    def own_kernel(self) -> bool:
+        """The guest runs kproxy's own UML kernel (kproxy.lab.uml_kernel), not Debian's."""
+        return (uml_kernel.module_dir() / platform.release()).is_dir()
+
     def require_nftables(self) -> None:
-        """Skip where the guest kernel has no nf_tables for ip: Debian's UML kernels
-        (`make test` builds kproxy's own first, `kproxy lab uml-kernel`, which has it)."""
-        missing = self.missing(*NFTABLES_MODULES)
-        if missing:
+        """nf_tables for ip, which nftables mode needs: kproxy's own kernel must have it;
+        Debian's UML kernels lack it, and there the test is skipped (`make test` builds
+        kproxy's first, `kproxy lab uml-kernel`)."""
+        missing = self.missing(*NFTABLES_GUEST_MODULES)
+        if missing and not self.own_kernel:
             pytest.skip(
                 f"the UML guest kernel has no nf_tables for ip ({', '.join(missing)} missing):"
                 " Debian's UML kernels lack it; `kproxy lab uml-kernel` builds one that has it"
             )
+        self.require(*NFTABLES_GUEST_MODULES)
 
 
 def _load_guest() -> Guest:

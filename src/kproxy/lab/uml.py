@@ -40,6 +40,7 @@ from kproxy.lab.topology import _proc_starttime
 __all__ = [
     "GUEST_MODULES",
     "IN_UML_ENV",
+    "NFTABLES_GUEST_MODULES",
     "UmlError",
     "UmlGuest",
     "UmlResult",
@@ -70,6 +71,13 @@ PRIVATE_DIRS = ("/run", "/tmp", "/dev", "/proc", "/sys", "/var/run", "/var/lock"
 # What kube-proxy's ipvs mode (and the iptables mode used for comparison) needs, loaded at
 # boot so tests see a node where the modules are present. Missing ones are recorded, not
 # fatal: a test that needs one fails with the module named.
+# nftables mode (and iptables-nft): only kproxy's own UML kernel (uml_kernel) has them all;
+# Debian's have nf_tables without the ip family.
+NFTABLES_GUEST_MODULES: tuple[str, ...] = (
+    "nf_tables",
+    *(f"nft_{x}" for x in ("chain_nat", "ct", "nat", "masq", "numgen", "fib_ipv4", "compat")),
+    "nft_reject_ipv4",
+)
 GUEST_MODULES: tuple[str, ...] = (
     "ip_vs",
     *(f"ip_vs_{s}" for s in ("rr", "wrr", "lc", "wlc", "sh", "dh", "sed", "nq", "mh")),
@@ -103,13 +111,10 @@ GUEST_MODULES: tuple[str, ...] = (
         for t in ("hash_ip", "hash_ipport", "hash_ipportip", "hash_ipportnet", "hash_net")
     ),
     "ip_set_bitmap_port",
-    # nftables mode (and iptables-nft); only kproxy's own UML kernel has the ip family.
-    "nf_tables",
-    *(f"nft_{x}" for x in ("chain_nat", "ct", "nat", "masq", "numgen", "fib_ipv4", "compat")),
-    "nft_reject_ipv4",
     "veth",
     "bridge",
     "dummy",
+    *NFTABLES_GUEST_MODULES,
 )
 
 
