@@ -165,10 +165,13 @@ def run_pair(
                         "verify": steps.get("verify"),
                         "cut_over": steps.get("cut-over"),
                         "remove": steps.get("remove"),
-                        "error": report.get("error"),
+                        "error": report.get("error")
+                        or (None if report else f"rc {out.returncode}: {out.stderr[-800:]}"),
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
+                if not report.get("ok"):
+                    break  # still in the first mode: there is no way back to time
                 time.sleep(2)
         finally:
             result = load.stop()

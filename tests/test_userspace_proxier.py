@@ -12,7 +12,7 @@ import pytest
 from kproxy.dataplane.base import SyncError
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import IptablesBackend
-from kproxy.dataplane.userspace import control
+from kproxy.dataplane.userspace import control, proxier
 from kproxy.dataplane.userspace.control import ControlError, WorkerSet
 from kproxy.dataplane.userspace.proxier import UserspaceDataplane, saved_ports
 from kproxy.model.snapshot import snapshot_from_objects
@@ -37,6 +37,7 @@ class FakeWorkers:
         self.table_path = self.dir / "table.json"
         self.generation = 0
         self.bad_port: int | None = None
+        self.timeouts: list[float] = []
 
     def acquire(self) -> None:
         pass
@@ -55,6 +56,7 @@ class FakeWorkers:
 
     def wait_applied(self, generation: int, timeout: float) -> dict[int, FakeWorker]:
         self.events.append(("applied", generation))
+        self.timeouts.append(timeout)
         errors = {
             lst["key"]: "taken" for lst in self.last["listeners"] if lst["port"] == self.bad_port
         }
@@ -122,6 +124,19 @@ def test_listeners_are_up_before_their_rules_and_retired_only_after(tmp_path: Pa
     events.clear()
     dp.sync(snap("api"), full=False)
     assert events == []  # nothing changed: no table, no restore
+
+
+def test_the_wait_for_the_workers_grows_with_the_listeners_they_open(tmp_path: Path) -> None:
+    # A switch to userspace at 10,000 services failed in UML on a fixed 5 s: a worker
+    # acknowledges a table only once it has opened every new listener.
+    dp, _ = make(tmp_path)
+    names = [f"svc{i}" for i in range(200)]
+    dp.sync(snap(*names), full=True)
+    dp.sync(snap(*names, "one-more"), full=False)
+    base = dp.ack_timeout
+    first, second = dp.workers.timeouts  # type: ignore[attr-defined]
+    assert first == pytest.approx(base + 200 * proxier.ACK_PER_NEW_LISTENER)
+    assert second == pytest.approx(base + proxier.ACK_PER_NEW_LISTENER)
 
 
 def test_a_port_taken_by_another_program_moves_in_the_same_sync(tmp_path: Path) -> None:

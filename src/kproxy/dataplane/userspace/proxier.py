@@ -71,6 +71,9 @@ def userspace_chain(chain: str) -> bool:
 
 
 BIND_RETRIES = 3
+# A worker acknowledges a table once it has opened its new listeners, so the wait grows
+# with their number (10,000 took longer than the fixed 5 s in UML, failing the switch).
+ACK_PER_NEW_LISTENER = 0.005
 
 
 class UserspaceDataplane:
@@ -196,9 +199,13 @@ class UserspaceDataplane:
                 ]
             if staged == self._table and not force:
                 return plan
+            before = {lst["key"] for lst in (self._table or {}).get("listeners", ())}
+            opening = sum(1 for lst in staged["listeners"] if lst["key"] not in before)
             try:
                 generation = self.workers.write_table(staged)
-                applied = self.workers.wait_applied(generation, self.ack_timeout)
+                applied = self.workers.wait_applied(
+                    generation, self.ack_timeout + ACK_PER_NEW_LISTENER * opening
+                )
             except (ControlError, OSError) as err:
                 raise SyncError(f"userspace workers did not take the table: {err}") from err
             self._table = staged
