@@ -188,35 +188,49 @@ def test_changing_mode_in_the_config_file_switches_live(lab: Lab, tmp_path: Path
         proxy.stop()
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.2, 0.4])
+# Killed right after each step's "done" line, so during the next one: "check" -> during the
+# snapshot, ..., "cut-over" -> while the old mode's state is being removed.
+@pytest.mark.parametrize("after", ["check", "snapshot", "anchor", "program", "verify", "cut-over"])
 def test_kill_9_during_a_switch_leaves_a_serving_node_and_restart_converges(
-    lab: Lab, tmp_path: Path, delay: float
+    lab: Lab, tmp_path: Path, after: str
 ) -> None:
+    import threading
     import time
+
+    from kproxy.server.admin import AdminUnavailable, call
 
     proxy = start(lab, tmp_path, "iptables")
     client = lab.agent(lab.client_ns[0])
-    switching = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kproxy.cli",
-            "switch",
-            "--to",
-            "nftables",
-            "--state-dir",
-            str(proxy.state_dir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    time.sleep(delay)
+    answers: list[object] = []
+
+    def send() -> None:
+        # The switch itself, as `kproxy switch` sends it once its preflight passed.
+        request = {"op": "switch", "to": "nftables", "timeout": 60}
+        try:
+            answers.append(call(proxy.state_dir / SOCKET_NAME, request, 60))
+        except (AdminUnavailable, OSError) as err:  # the daemon died mid-answer
+            answers.append(err)
+
+    logged = proxy.log_path.stat().st_size
+    sender = threading.Thread(target=send)
+    sender.start()
+    marker = f"switch iptables -> nftables: {after} done"
+    deadline = time.monotonic() + 30
+    with proxy.log_path.open() as log:
+        log.seek(logged)
+        seen = ""
+        while marker not in seen and time.monotonic() < deadline:
+            seen += log.read()
+            time.sleep(0.002)
     proxy.kill()
-    switching.wait(timeout=30)
+    sender.join(timeout=30)
+    assert marker in seen, seen[-2000:]
+    tail = proxy.log_tail(60)
+    assert "switched iptables -> nftables" not in tail, f"the kill after {after} came too late"
     try:
         results = client.request_many(proto="tcp", dst="10.96.0.10", port=80, count=20, timeout=1.0)
         assert all(r.ok for r in results), (
-            f"killed at +{delay}s: node not serving: {[r.error for r in results]}"
+            f"killed after {after}: node not serving: {[r.error for r in results]}"
         )
         proxy.start()  # configured mode: iptables
         deadline = time.monotonic() + 10
