@@ -302,6 +302,43 @@ def wait_for(check: Any, timeout: float) -> Any:
     return value
 
 
+def through_and_back(where: Node, via: str) -> tuple[list[dict[str, Any]], str]:
+    """ipvs -> `via` -> ipvs under load, with what every such round must show: no request
+    fails and no stream drops; out of ipvs only the streams' virtual server (and its VIP)
+    stays, draining, while their datagrams wait for IPVS to let go (ipvs/hold.py); back in
+    ipvs, the reaper stops and the new ipvs mode adopts the kept virtual server, and
+    nothing of `via` is left. Returns the two reports and kproxy's log of the round."""
+
+    def settled(lab: Lab, report: dict[str, Any]) -> bool:
+        if report["to_mode"] == via:
+            return (
+                live_modes(lab) == {via, "ipvs"}
+                and ipvs_state(lab) == (["-A -t 10.96.0.10:80"], ["10.96.0.10"])
+                and leftovers(lab) == ["virtual servers", "kube-ipvs0"]
+            )
+        return (
+            live_modes(lab) == {"ipvs"}
+            and ipvs_state(lab)
+            == (["-A -t 10.96.0.10:80", "-A -u 10.96.0.53:53"], sorted([DNS[0], WEB[0]]))
+            and leftovers(lab, via) == []
+        )
+
+    proxy = where.serving("ipvs")
+    logged = proxy.log_path.stat().st_size
+    reports, result = run_switches(where, "ipvs", [via, "previous"], settled)
+    assert [r["to_mode"] for r in reports] == [via, "ipvs"]
+    assert result.streams_dropped == 0 and result.failures == 0, result.summary()
+    remove = next(s for s in reports[0]["steps"] if s["name"] == "remove")
+    assert "draining 1 virtual servers: TCP 10.96.0.10:80" in remove["detail"], remove
+    with proxy.log_path.open() as f:
+        f.seek(logged)
+        log = f.read()
+    assert HELD in log, log[-3000:]
+    assert "stopped reaping with draining 1 virtual servers" in log, log[-3000:]
+    assert "drained after" not in log, "the reaper deleted what the new ipvs mode adopted"
+    return reports, log
+
+
 def test_ipvs_to_userspace_and_back_keeps_the_connections_ipvs_set_up(switch_node: Node) -> None:
     """ipvs -> userspace -> ipvs under load: no request fails, no stream drops.
 
@@ -313,39 +350,10 @@ def test_ipvs_to_userspace_and_back_keeps_the_connections_ipvs_set_up(switch_nod
     userspace's DNAT to the node's own address, which IPVS in LOCAL_IN sees too; back into
     ipvs, the reaper stops and the new ipvs mode adopts the kept virtual server instead
     of deleting and re-creating it, so the connections keep flowing through it."""
-
-    def settled(lab: Lab, report: dict[str, Any]) -> bool:
-        if report["to_mode"] == "userspace":
-            # The streams hold their virtual server and its VIP; nothing else of ipvs stays.
-            return (
-                live_modes(lab) == {"userspace", "ipvs"}
-                and ipvs_state(lab) == (["-A -t 10.96.0.10:80"], ["10.96.0.10"])
-                and leftovers(lab) == ["virtual servers", "kube-ipvs0"]
-            )
-        return (
-            live_modes(lab) == {"ipvs"}
-            and ipvs_state(lab)
-            == (["-A -t 10.96.0.10:80", "-A -u 10.96.0.53:53"], sorted([DNS[0], WEB[0]]))
-            and leftovers(lab, "userspace") == []
-        )
-
-    proxy = switch_node.serving("ipvs")
-    logged = proxy.log_path.stat().st_size
-    reports, result = run_switches(switch_node, "ipvs", ["userspace", "previous"], settled)
-    assert [r["to_mode"] for r in reports] == ["userspace", "ipvs"]
-    assert result.streams_dropped == 0 and result.failures == 0, result.summary()
-    remove = next(s for s in reports[0]["steps"] if s["name"] == "remove")
-    assert "draining 1 virtual servers: TCP 10.96.0.10:80" in remove["detail"], remove
+    reports, log = through_and_back(switch_node, "userspace")
     assert any("KUBE-PORTALS-CONTAINER" in r for r in reports[1]["removed"]), reports[1]
-    with proxy.log_path.open() as f:
-        f.seek(logged)
-        log = f.read()
     # The UDP flow went through a worker: its redirect is forgotten before the workers go.
     assert "conntrack entries of UDP flows to the workers" in log, log[-3000:]
-    # Out of ipvs, the UDP flow's datagrams waited while IPVS let go of it (ipvs/hold.py).
-    assert HELD in log, log[-3000:]
-    assert "stopped reaping with draining 1 virtual servers" in log, log[-3000:]
-    assert "drained after" not in log, "the reaper deleted what the new ipvs mode adopted"
 
 
 def test_ipvs_to_nftables_and_back_keeps_the_connections_ipvs_set_up(
@@ -358,35 +366,8 @@ def test_ipvs_to_nftables_and_back_keeps_the_connections_ipvs_set_up(
     LOCAL_IN); back into ipvs, the new ipvs mode adopts the kept virtual server, and
     nftables' table goes (base chains first, at the cut-over)."""
     guest.require_nftables()
-
-    def settled(lab: Lab, report: dict[str, Any]) -> bool:
-        if report["to_mode"] == "nftables":
-            return (
-                live_modes(lab) == {"nftables", "ipvs"}
-                and ipvs_state(lab) == (["-A -t 10.96.0.10:80"], ["10.96.0.10"])
-                and leftovers(lab) == ["virtual servers", "kube-ipvs0"]
-            )
-        return (
-            live_modes(lab) == {"ipvs"}
-            and ipvs_state(lab)
-            == (["-A -t 10.96.0.10:80", "-A -u 10.96.0.53:53"], sorted([DNS[0], WEB[0]]))
-            and leftovers(lab, "nftables") == []
-        )
-
-    proxy = switch_node.serving("ipvs")
-    logged = proxy.log_path.stat().st_size
-    reports, result = run_switches(switch_node, "ipvs", ["nftables", "previous"], settled)
-    assert [r["to_mode"] for r in reports] == ["nftables", "ipvs"]
-    assert result.streams_dropped == 0 and result.failures == 0, result.summary()
-    remove = next(s for s in reports[0]["steps"] if s["name"] == "remove")
-    assert "draining 1 virtual servers: TCP 10.96.0.10:80" in remove["detail"], remove
+    reports, _ = through_and_back(switch_node, "nftables")
     assert any("kube-proxy" in r for r in reports[1]["removed"]), reports[1]["removed"]
-    with proxy.log_path.open() as f:
-        f.seek(logged)
-        log = f.read()
-    assert HELD in log, log[-3000:]
-    assert "stopped reaping with draining 1 virtual servers" in log, log[-3000:]
-    assert "drained after" not in log, "the reaper deleted what the new ipvs mode adopted"
 
 
 def test_ipvs_to_iptables_keeps_connections_ipvs_set_up(switch_node: Node) -> None:

@@ -68,9 +68,6 @@ GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Guest-private mounts: a run directory under one of these would be invisible to the host.
 PRIVATE_DIRS = ("/run", "/tmp", "/dev", "/proc", "/sys", "/var/run", "/var/lock")
 
-# What kube-proxy's ipvs mode (and the iptables mode used for comparison) needs, loaded at
-# boot so tests see a node where the modules are present. Missing ones are recorded, not
-# fatal: a test that needs one fails with the module named.
 # nftables mode (and iptables-nft): only kproxy's own UML kernel (uml_kernel) has them all;
 # Debian's have nf_tables without the ip family.
 NFTABLES_GUEST_MODULES: tuple[str, ...] = (
@@ -78,6 +75,9 @@ NFTABLES_GUEST_MODULES: tuple[str, ...] = (
     *(f"nft_{x}" for x in ("chain_nat", "ct", "nat", "masq", "numgen", "fib_ipv4", "compat")),
     "nft_reject_ipv4",
 )
+# What kube-proxy's ipvs mode (and the iptables mode used for comparison) needs, loaded at
+# boot so tests see a node where the modules are present. Missing ones are recorded, not
+# fatal: a test that needs one fails with the module named.
 GUEST_MODULES: tuple[str, ...] = (
     "ip_vs",
     *(f"ip_vs_{s}" for s in ("rr", "wrr", "lc", "wlc", "sh", "dh", "sed", "nq", "mh")),

@@ -5,8 +5,8 @@ ptrace with a fixed-size buffer; on a CPU whose XSAVE area is larger (AMX: 11 KB
 refuses it and the guest's init dies at once (uml.FPU_STATE_REASON). UML sizes that buffer
 from the host since 6.13, but Debian's newer UML packages are built without legacy
 iptables, which the guest's ipvs mode uses, and none has nf_tables for ip, which nftables
-mode needs. So this module builds one: the newest
-`linux-source-X.Y` (X.Y >= 6.13) of Debian's unstable suite, arch/um's x86_64_defconfig
+mode needs. So this module builds one: the newest `linux-source-X.Y` (X.Y >= 6.13) of
+Debian's unstable suite, arch/um's x86_64_defconfig
 plus the networking options of the installed Debian UML kernel (its config.gz: the guest
 gets the network stack the tests were written against, policy routing and TPROXY
 included) plus OPTIONS (what the lab and the ipvs, iptables and userspace modes need, as
