@@ -169,6 +169,8 @@ def run_pair(
                         or (None if report else f"rc {out.returncode}: {out.stderr[-800:]}"),
                     }
                 )
+                if not report.get("ok"):
+                    rows[-1]["daemon"] = daemon_state(proxy)
                 print(json.dumps(rows[-1]), flush=True)
                 if not report.get("ok"):
                     break  # still in the first mode: there is no way back to time
@@ -180,6 +182,23 @@ def run_pair(
             r["failed_requests"] = result.failures
             r["requests"] = result.fresh_sent + result.pings_sent
     return rows
+
+
+def daemon_state(proxy: ProxyProcess, lines: int = 60) -> dict[str, object]:
+    """What a failed switch left: is the daemon alive, its log's end, its workers' logs' ends
+    (a failure at 10,000 services is too slow to reproduce for a second look)."""
+    proc = proxy.proc
+    state: dict[str, object] = {
+        "alive": proc is not None and proc.poll() is None,
+        "returncode": None if proc is None else proc.returncode,
+        "log_tail": proxy.log_tail(lines).splitlines(),
+    }
+    for log in sorted(proxy.state_dir.glob("**/worker-*.log")):
+        state[str(log.relative_to(proxy.state_dir))] = log.read_text().splitlines()[-10:]
+    if not state["alive"]:  # killed? the kernel's log says whether it was the OOM killer
+        dmesg = subprocess.run(["dmesg"], capture_output=True, text=True, check=False)
+        state["dmesg_tail"] = dmesg.stdout.splitlines()[-15:]
+    return state
 
 
 def in_guest(args: argparse.Namespace) -> int:

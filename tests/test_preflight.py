@@ -566,6 +566,47 @@ def test_a_userspace_port_range_too_small_for_the_listeners_blocks(fake: FakeNod
     )
 
 
+def test_an_open_file_limit_below_the_listeners_blocks_a_switch_to_userspace(
+    fake: FakeNode,
+) -> None:
+    # Every worker holds a socket per listener; the running proxy's limits decide.
+    objs = web_objects(type="NodePort")
+    objs[1]["spec"]["ports"][0]["nodePort"] = 30080  # 2 listeners
+    no_resource = ((1 << 41) - 1) & ~(1 << 24)
+
+    def proc(pid: int, soft: int, hard: int, caps: int) -> dict[str, Any]:
+        fake.file(
+            f"/proc/{pid}/limits",
+            f"Limit   Soft Limit   Hard Limit   Units\nMax open files {soft} {hard} files\n",
+        )
+        fake.file(f"/proc/{pid}/status", f"Name:\tkproxy\nCapEff:\t{caps:016x}\n")
+        return {"pid": pid, "mode": "iptables"}
+
+    fake.file("/proc/sys/fs/nr_open", "1048576\n")
+    tight = proc(41, 300, 300, no_resource)  # room for no listener beside the reserve
+    f = one(
+        run(fake, "userspace", families=["config"], objects=objs, status=tight),
+        "config.open-file-limit",
+    )
+    assert f.severity is Severity.BLOCK and "pid 41" in f.found and "CAP_SYS_RESOURCE" in f.found
+    assert f.facts["listeners"] == 2 and "LimitNOFILE=" in f.fix[0]
+    # Room for the listeners but not for the default connections: a warning.
+    some = proc(42, 4096, 4096, no_resource)
+    f = one(
+        run(fake, "userspace", families=["config"], objects=objs, status=some),
+        "config.open-file-limit",
+    )
+    assert f.severity is Severity.WARN and f.facts["connections"] == (4096 - 256 - 2) // 2
+    # Root with CAP_SYS_RESOURCE lifts the hard limit itself (a UML guest's 4096).
+    able = proc(43, 1024, 4096, (1 << 41) - 1)
+    assert "config.open-file-limit" not in ids(
+        run(fake, "userspace", families=["config"], objects=objs, status=able)
+    )
+    assert "config.open-file-limit" not in ids(
+        run(fake, "iptables", families=["config"], objects=objs, status=tight)
+    )
+
+
 def test_an_unavailable_target_mode_blocks(fake: FakeNode) -> None:
     from kproxy.dataplane.base import AVAILABLE_MODES
 

@@ -37,6 +37,7 @@ class FakeWorkers:
         self.table_path = self.dir / "table.json"
         self.generation = 0
         self.bad_port: int | None = None
+        self.fd_limited: int | None = None  # the port a worker had no descriptor for
         self.timeouts: list[float] = []
 
     def acquire(self) -> None:
@@ -60,7 +61,15 @@ class FakeWorkers:
         errors = {
             lst["key"]: "taken" for lst in self.last["listeners"] if lst["port"] == self.bad_port
         }
-        return {0: FakeWorker({"errors": errors}), 1: FakeWorker({"errors": {}})}
+        kinds = dict.fromkeys(errors, "in-use")
+        for lst in self.last["listeners"]:
+            if lst["port"] == self.fd_limited:
+                errors[lst["key"]] = f"cannot listen on tcp port {lst['port']}: no file descriptor"
+                kinds[lst["key"]] = "fd-limit"
+        return {
+            0: FakeWorker({"errors": errors, "error_kinds": kinds}),
+            1: FakeWorker({"errors": {}}),
+        }
 
     def workers(self) -> dict[int, Any]:
         return {}
@@ -150,6 +159,22 @@ def test_a_port_taken_by_another_program_moves_in_the_same_sync(tmp_path: Path) 
     assert moved != first
     assert [e[0] for e in events2] == ["table", "applied", "table", "applied", "restore"]
     assert first in dp2._bad_ports
+
+
+def test_listeners_a_worker_has_no_descriptor_for_fail_the_sync_and_keep_their_ports(
+    tmp_path: Path,
+) -> None:
+    # Moving them would not help (it is the open-file limit, not the port): the sync fails
+    # naming the cause, before any rule points at a port nobody listens on.
+    dp, _ = make(tmp_path)
+    first = dp._publish(snap("web"), force=True).ports["default/web:http/tcp/cluster"]
+    (tmp_path / "b").mkdir()
+    dp2, events2 = make(tmp_path / "b")
+    dp2.workers.fd_limited = first  # type: ignore[attr-defined]
+    with pytest.raises(SyncError, match=r"worker 0 could not open 1 of 1 listeners: .*descriptor"):
+        dp2.sync(snap("web"), full=True)
+    assert [e[0] for e in events2] == ["table", "applied"]  # no restore, no second try
+    assert not dp2._bad_ports
 
 
 def test_a_failed_restore_keeps_the_input_and_forces_a_full_sync(tmp_path: Path) -> None:

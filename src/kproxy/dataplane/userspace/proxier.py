@@ -35,7 +35,7 @@ from kproxy.dataplane.iptables.backend import (
     rule_spec,
     run_command,
 )
-from kproxy.dataplane.userspace import render
+from kproxy.dataplane.userspace import fdlimit, render
 from kproxy.dataplane.userspace.control import (
     PORTS_FILE,
     SUBDIR,
@@ -89,7 +89,7 @@ class UserspaceDataplane:
         workers: int | None = None,
         port_range: str = "",
         udp_idle_timeout: float = 0.25,
-        max_connections: int = 8192,
+        max_connections: int = fdlimit.DEFAULT_MAX_CONNECTIONS,
         engine: str | None = None,
         ack_timeout: float = 5.0,
     ) -> None:
@@ -210,6 +210,9 @@ class UserspaceDataplane:
                 raise SyncError(f"userspace workers did not take the table: {err}") from err
             self._table = staged
             bad = self._bind_errors(applied, plan)
+            unopened = self._listen_failures(applied, plan)
+            if unopened:
+                raise SyncError(unopened)
             if not bad:
                 return plan
             self._bad_ports |= bad
@@ -221,13 +224,34 @@ class UserspaceDataplane:
 
     @staticmethod
     def _bind_errors(applied: dict[int, Any], plan: UserspacePlan) -> set[int]:
+        """The proxy ports another program holds (a worker could not bind them)."""
         ports = plan.ports
         bad: set[int] = set()
         for info in applied.values():
+            # A worker from before error kinds were reported: every error was a bind error.
+            kinds = dict(info.status.get("error_kinds") or {})
             for key in dict(info.status.get("errors", {})):
-                if key in ports:
+                if key in ports and kinds.get(key, "in-use") == "in-use":
                     bad.add(ports[key])
         return bad
+
+    @staticmethod
+    def _listen_failures(applied: dict[int, Any], plan: UserspacePlan) -> str:
+        """Why listeners of this plan could not be opened other than a taken port (the
+        open-file limit, say): moving them to other ports would not help. Empty if none."""
+        for index, info in sorted(applied.items()):
+            errors = dict(info.status.get("errors", {}))
+            kinds = dict(info.status.get("error_kinds") or {})
+            failed = [
+                key for key in errors if key in plan.ports and kinds.get(key, "in-use") != "in-use"
+            ]
+            if failed:
+                more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+                return (
+                    f"userspace worker {index} could not open {len(failed)} of "
+                    f"{len(plan.ports)} listeners: {errors[failed[0]]}{more}"
+                )
+        return ""
 
     def _save_ports(self, ports: dict[str, int]) -> None:
         self._ports = dict(ports)

@@ -16,10 +16,10 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import errno
 import gc
 import logging
 import os
-import resource
 import signal
 import socket
 import struct
@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kproxy.dataplane.userspace import fdlimit
 from kproxy.dataplane.userspace.balancer import Balancer
 from kproxy.dataplane.userspace.control import (
     REPORT_SIGNAL,
@@ -141,7 +142,7 @@ class Worker:
         index: int,
         *,
         splice: bool = HAVE_SPLICE,
-        max_connections: int = 8192,
+        max_connections: int = fdlimit.DEFAULT_MAX_CONNECTIONS,
         udp_idle_timeout: float = 0.25,
     ) -> None:
         self.state_dir = state_dir
@@ -154,6 +155,10 @@ class Worker:
         self.starttime = proc_starttime(self.pid) or 0
         self.generation = -1
         self.errors: dict[str, str] = {}
+        # Why each listener in errors failed: "in-use" (the controller moves it to another
+        # port), "fd-limit" or "other" (a failed sync that says why).
+        self.error_kinds: dict[str, str] = {}
+        self.fd_limit = 0
         self.listening: dict[str, tuple[str, int, bool]] = {}  # key -> (proto, port, steered)
         self.workers = 1
         self._table_sig: tuple[int, int, int] | None = None
@@ -304,6 +309,9 @@ class Worker:
             if lst is None or lst.protocol != proto or lst.port != port:
                 self._close(key, proto)
         errors: dict[str, str] = {}
+        kinds: dict[str, str] = {}
+        self.fd_limit = limit = fdlimit.lift(fdlimit.needed(len(wanted), self.max_connections))
+        room = fdlimit.listener_room(limit)
         for key, lst in wanted.items():
             steer = lst.affinity is not None and self.workers > 1
             current = self.listening.get(key)
@@ -311,12 +319,21 @@ class Worker:
                 if current[2] != steer:
                     self._steer(key, lst, steer)
                 continue
+            if len(self.listening) >= room:
+                errors[key] = (
+                    f"cannot listen on {lst.protocol} port {lst.port}: no file descriptor "
+                    f"left (open-file limit {limit}, room for {room} listeners; raise the "
+                    "proxy's LimitNOFILE / ulimit -n)"
+                )
+                kinds[key] = "fd-limit"
+                continue
             try:
                 sock = open_listener(lst.protocol, lst.port)
                 if steer:
                     attach_client_ip_steering(sock, self.workers)
             except OSError as exc:
                 errors[key] = f"cannot listen on {lst.protocol} port {lst.port}: {exc}"
+                kinds[key] = _error_kind(exc)
                 continue
             if lst.protocol == "tcp":
                 self.tcp.add_listener(key, sock)
@@ -324,7 +341,11 @@ class Worker:
                 self.udp.add_listener(key, sock)
             self.listening[key] = (lst.protocol, lst.port, steer)
         self.udp.retarget()
+        # Connections get what the listeners leave (never more than asked for).
+        cap = max(1, min(self.max_connections, fdlimit.connection_room(limit, len(self.listening))))
+        self.tcp.max_connections = self.udp.max_sessions = cap
         self.errors = errors
+        self.error_kinds = kinds
         for msg in errors.values():
             log.error("%s", msg)
         self.generation = generation
@@ -368,6 +389,8 @@ class Worker:
             "generation": self.generation,
             "listeners": len(self.listening),
             "errors": self.errors,
+            "error_kinds": self.error_kinds,
+            "fd_limit": self.fd_limit,
             "loop": "uvloop" if self.uvloop else "asyncio",
             "engine": "splice" if self.tcp.splice else "copy",
             "netns": self.netns,
@@ -439,17 +462,19 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()  # type: ignore[no-any-return]
 
 
+def _error_kind(exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return "in-use"
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return "fd-limit"
+    return "other"
+
+
 def raise_fd_limit(max_connections: int) -> int:
-    """Two sockets per connection plus pipes in flight: lift the soft fd limit to match."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = max_connections * 2 + 1024
-    if hard != resource.RLIM_INFINITY:
-        want = min(want, hard)
-    if want > soft:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return max(1, (soft - 1024) // 2) if soft < want else max_connections
+    """Lift the open-file limit for the connections asked for (the listeners are added
+    per table, Worker.apply); returns how many connections fit."""
+    soft = fdlimit.lift(fdlimit.needed(0, max_connections))
+    return max(1, min(max_connections, fdlimit.connection_room(soft, 0)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -459,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The environment defaults exist for benchmarks and debugging (no controller flag).
     engine = os.environ.get("KPROXY_USERSPACE_ENGINE") or ("splice" if HAVE_SPLICE else "copy")
     parser.add_argument("--engine", choices=("splice", "copy"), default=engine)
-    parser.add_argument("--max-connections", type=int, default=8192)
+    parser.add_argument("--max-connections", type=int, default=fdlimit.DEFAULT_MAX_CONNECTIONS)
     parser.add_argument("--udp-idle-timeout", type=float, default=0.25)
     parser.add_argument(
         "--nice",

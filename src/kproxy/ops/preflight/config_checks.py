@@ -413,6 +413,73 @@ def check_proxy_port_range(ctx: Context) -> list[Finding]:
     ]
 
 
+def check_open_file_limit(ctx: Context) -> list[Finding]:
+    """Every userspace worker holds a socket per listener: an open-file limit the proxy
+    cannot lift past that is a switch whose workers never report back (found at 10,000
+    services in a UML guest, whose init hands on a hard limit of 4,096)."""
+    from kproxy.dataplane.userspace import fdlimit
+    from kproxy.dataplane.userspace.render import listener_keys
+
+    snap = ctx.snapshot
+    if snap is None:
+        return []
+    pid = (ctx.status or {}).get("pid")
+    proc = f"/proc/{pid}" if isinstance(pid, int) else "/proc/self"
+    limit = fdlimit.parse_process_limit(
+        ctx.access.read(f"{proc}/limits") or "",
+        ctx.access.read(f"{proc}/status") or "",
+        ctx.access.read("/proc/sys/fs/nr_open"),
+    )
+    if limit is None:
+        return []
+    whose = f"kproxy (pid {pid})" if isinstance(pid, int) else "this shell"
+    listeners = len(listener_keys(snap.services.values()))
+    reachable = limit.reachable
+    room = fdlimit.listener_room(reachable)
+    facts = {
+        "listeners": listeners,
+        "soft": limit.soft,
+        "hard": limit.hard,
+        "can_raise_hard": limit.can_raise_hard,
+        "reachable": reachable,
+    }
+    want = fdlimit.needed(listeners, fdlimit.DEFAULT_MAX_CONNECTIONS)
+    fix = [
+        f"systemctl edit kproxy  # [Service] LimitNOFILE={want}",
+        f"ulimit -n {want}  # in the shell that starts kproxy run",
+    ]
+    held = (
+        "it may raise it up to fs.nr_open"
+        if limit.can_raise_hard
+        else "and it cannot raise the hard limit (no CAP_SYS_RESOURCE)"
+    )
+    if listeners > room:
+        return [
+            block(
+                "config.open-file-limit",
+                f"userspace mode needs {listeners} listening sockets in every worker; the "
+                f"open-file limit of {whose} reaches {reachable} ({held}): room for {room}",
+                "the workers could not open every listener: the switch would roll back, and "
+                "a restart in userspace mode would leave services without a listener",
+                fix,
+                facts=facts,
+            )
+        ]
+    connections = fdlimit.connection_room(reachable, listeners)
+    if connections < fdlimit.DEFAULT_MAX_CONNECTIONS:
+        return [
+            warn(
+                "config.open-file-limit",
+                f"beside its {listeners} listeners a userspace worker has descriptors for "
+                f"{connections} connections at most (open-file limit {reachable}, {held})",
+                "past that, each worker stops accepting until connections close",
+                fix,
+                facts={**facts, "connections": connections},
+            )
+        ]
+    return []
+
+
 CHECKS = (
     Check("config", check_loads),
     Check("config", check_target_mode),
@@ -425,4 +492,5 @@ CHECKS = (
     Check("config", check_node_port_addresses, ("iptables", "nftables", "ipvs")),
     Check("config", check_cluster_cidr, ("iptables", "nftables", "ipvs")),
     Check("config", check_proxy_port_range, ("userspace",), needs_source=True),
+    Check("config", check_open_file_limit, ("userspace",), needs_source=True),
 )
