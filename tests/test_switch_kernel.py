@@ -28,7 +28,7 @@ conntrack: {{maxPerCore: 0}}
 PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
 
 
-def start(lab: Lab, tmp_path: Path, mode: str) -> ProxyProcess:
+def start(lab: Lab, tmp_path: Path, mode: str, *args: str) -> ProxyProcess:
     src = tmp_path / "objects"
     src.mkdir(parents=True, exist_ok=True)
     write(src / "node.yaml", node())
@@ -45,7 +45,7 @@ def start(lab: Lab, tmp_path: Path, mode: str) -> ProxyProcess:
     cfg = tmp_path / f"{mode}.yaml"
     cfg.write_text(CONFIG.format(mode=mode))
     return ProxyProcess(
-        lab, src, config=cfg, args=["--iptables-backend", "nft"], workdir=tmp_path / "kp"
+        lab, src, config=cfg, args=["--iptables-backend", "nft", *args], workdir=tmp_path / "kp"
     ).start()
 
 
@@ -161,6 +161,35 @@ def test_a_switch_that_cannot_run_leaves_the_old_mode_untouched(lab: Lab, tmp_pa
     assert lab.agent(lab.client_ns[0]).request(proto="tcp", dst="10.96.0.10", port=80).ok
     assert switch(proxy, "previous")["error"].startswith("no previous mode")
     proxy.stop()
+
+
+def test_status_and_switch_over_the_loopback_tcp_admin_endpoint(lab: Lab, tmp_path: Path) -> None:
+    # Loopback is the node namespace's own: the commands run there, as a sidecar would.
+    address = "127.0.0.1:10259"
+    proxy = start(lab, tmp_path, "iptables", "--admin-address", address)
+    token = proxy.state_dir / "admin.token"
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        base = [sys.executable, "-m", "kproxy.cli", *argv, "--json"]
+        base += ["--state-dir", str(proxy.state_dir), "--admin-address", address]
+        return lab.exec(lab.node_ns, base, check=False, timeout=120)
+
+    try:
+        assert oct(token.stat().st_mode & 0o777) == "0o600"
+        st = cli("status")
+        assert st.returncode == 0 and json.loads(st.stdout)["mode"] == "iptables", st.stderr
+        wrong = tmp_path / "wrong.token"
+        wrong.write_text("0" * 64)
+        refused = cli("status", "--admin-token-file", str(wrong))
+        assert refused.returncode == 1 and "unauthorized" in refused.stderr
+        out = cli("switch", "--to", "nftables")
+        report = json.loads(out.stdout or "{}")
+        assert out.returncode == 0 and report["ok"], (report, out.stderr)
+        assert live_modes(lab) == {"nftables"}
+        assert lab.agent(lab.client_ns[0]).request(proto="tcp", dst="10.96.0.10", port=80).ok
+    finally:
+        proxy.stop()
+    assert not token.exists()
 
 
 def test_changing_mode_in_the_config_file_switches_live(lab: Lab, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from kproxy.dataplane.facts import NodeFacts
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.lab.cli import lab_app
 from kproxy.model.objects import Snapshot
+from kproxy.server.admin import AdminBindError, AdminTarget
 
 app = typer.Typer(
     help="kproxy: a Kubernetes service proxy compatible with kube-proxy, with safe live "
@@ -283,6 +284,15 @@ def run(
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="Where failed restore inputs and state are kept.")
     ] = DEFAULT_STATE_DIR,
+    admin_address: Annotated[
+        str | None,
+        typer.Option(
+            "--admin-address",
+            help="Also serve the admin endpoint (status, switch) on this loopback IP:PORT, "
+            "e.g. 127.0.0.1:10259; requests there carry the token written to the state dir's "
+            "admin.token (default: the unix socket only).",
+        ),
+    ] = None,
     verbose: VerboseOpt = 1,
 ) -> None:
     """Run the proxy in the current network namespace (use `ip netns exec` for a lab node).
@@ -329,6 +339,7 @@ def run(
 
         if backend not in ("auto", "nft", "legacy"):
             raise UserError(f"--iptables-backend: {backend!r} is not auto, nft or legacy")
+        admin_tcp = _admin_tcp(admin_address)
         try:
             # The file source, or the API server (whose Node may give node IPs and a mode).
             objects = prepare_source(
@@ -344,10 +355,11 @@ def run(
             state_dir=state_dir,
             node_name=_node_name(config),
             config_path=config_path,
+            admin_address=admin_tcp,
         )
         daemon.start()
         objects.started(daemon)
-    except (UserError, DataplaneUnavailable) as err:
+    except (UserError, DataplaneUnavailable, AdminBindError) as err:
         # DataplaneUnavailable: the mode cannot run on this node (e.g. ipvs without ip_vs).
         raise fail(str(err)) from None
     except FileNotFoundError as err:
@@ -550,6 +562,44 @@ StateDirOpt = Annotated[
 ]
 
 
+AdminAddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--admin-address",
+        help="Ask over the proxy's loopback TCP admin endpoint (IP:PORT, as given to run) "
+        "instead of the state dir's unix socket.",
+    ),
+]
+TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--admin-token-file",
+        help="The token for --admin-address (default: admin.token in --state-dir).",
+    ),
+]
+
+
+def _admin_tcp(address: str | None) -> tuple[str, int] | None:
+    from kproxy.server.admin import parse_admin_address
+
+    if not address:
+        return None
+    try:
+        return parse_admin_address(address)
+    except ValueError as err:
+        raise UserError(f"--admin-address: {err}") from None
+
+
+def _admin_target(state_dir: Path, address: str | None, token_file: Path | None) -> AdminTarget:
+    """The running proxy's admin endpoint; a usage error (exit 2) names what is wrong."""
+    from kproxy.server.admin import AdminTarget
+
+    try:
+        return AdminTarget.of(state_dir, address, token_file)
+    except ValueError as err:
+        raise fail(f"--admin-address: {err}") from None
+
+
 def _age(ts: float | None) -> str:
     import time
 
@@ -562,13 +612,18 @@ def _age(ts: float | None) -> str:
 def status(
     state_dir: StateDirOpt = DEFAULT_STATE_DIR,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    admin_address: AdminAddressOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Mode, health, syncs and the last error of the running kproxy (over its admin socket)."""
-    from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
+    from kproxy.server.admin import AdminUnavailable, call
 
+    target = _admin_target(state_dir, admin_address, token_file)
     try:
-        st = call(state_dir / SOCKET_NAME, {"op": "status"}, timeout=10)
+        st = call(target, {"op": "status"}, timeout=10)
         running = True
+        if st.get("ok") is False:  # it answered, and refused (a wrong token, say)
+            raise fail(f"kproxy refused the request: {st.get('error')}", code=1)
     except AdminUnavailable as err:
         saved = state_dir / "status.json"
         if not saved.exists():
@@ -625,6 +680,8 @@ def switch(
     source: Annotated[
         Path | None, typer.Option("--source", help="For preflight (default: the running one's).")
     ] = None,
+    admin_address: AdminAddressOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Switch the running kproxy to another proxy mode, live and make-before-break.
 
@@ -636,11 +693,17 @@ def switch(
     why. Exit code 0 on success.
     """
     from kproxy.ops.preflight.cli import UsageError, print_gate, switch_gate
-    from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
+    from kproxy.server.admin import AdminUnavailable, call
 
+    target = _admin_target(state_dir, admin_address, token_file)
     try:
         gate = switch_gate(
-            to, state_dir=state_dir, force=force, config_path=config_path, source=source
+            to,
+            state_dir=state_dir,
+            force=force,
+            config_path=config_path,
+            source=source,
+            admin=target,
         )
     except UsageError as err:
         raise fail(str(err)) from None
@@ -657,7 +720,7 @@ def switch(
         before = gate.backup_path() if gate is not None else None
         if before is not None:
             request["before"] = before
-        report = call(state_dir / SOCKET_NAME, request, timeout=timeout + 30)
+        report = call(target, request, timeout=timeout + 30)
     except AdminUnavailable as err:
         raise fail(str(err), code=1) from None
     if gate is not None:

@@ -43,7 +43,9 @@ class Daemon:
         node_ips: tuple[str, ...] = (),
         state_dir: Path | None = None,
         config_path: Path | None = None,
+        admin_address: tuple[str, int] | None = None,
     ) -> None:
+        """admin_address: also serve the admin requests on this loopback TCP address."""
         self.config = config
         self.config_watch = ConfigWatch(config_path, self) if config_path else None
         self.node_name = node_name
@@ -115,6 +117,7 @@ class Daemon:
                 "sync": self._sync_request,
                 "switch": self._switch_request,
             },
+            tcp_address=admin_address,
         )
         hard = config.bind_address_hard_fail
         self.servers = [

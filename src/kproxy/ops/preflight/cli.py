@@ -11,12 +11,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.ops.preflight.findings import EXIT_USAGE
+
+if TYPE_CHECKING:
+    from kproxy.server.admin import AdminTarget
 
 log = logging.getLogger("kproxy.preflight")
 
@@ -44,12 +47,12 @@ def check_mode_name(to: str) -> str:
     )
 
 
-def running_status(state_dir: Path) -> dict[str, Any] | None:
-    """The running kproxy's status over its admin socket (None: nothing answers)."""
+def running_status(state_dir: Path, admin: AdminTarget | None = None) -> dict[str, Any] | None:
+    """The running kproxy's status over its admin endpoint (None: nothing answers)."""
     from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
 
     try:
-        st = call(state_dir / SOCKET_NAME, {"op": "status"}, timeout=10)
+        st = call(admin or state_dir / SOCKET_NAME, {"op": "status"}, timeout=10)
     except (AdminUnavailable, OSError, ValueError):
         return None
     return st if st.get("ok", True) else None
@@ -70,9 +73,13 @@ class Inputs:
 
 
 def resolve_inputs(
-    state_dir: Path, config_path: Path | None, source: Path | None, netns: str | None = None
+    state_dir: Path,
+    config_path: Path | None,
+    source: Path | None,
+    netns: str | None = None,
+    admin: AdminTarget | None = None,
 ) -> Inputs:
-    status = running_status(state_dir)
+    status = running_status(state_dir, admin)
     notes = []
     if status is not None and isinstance(status.get("pid"), int):
         from kproxy.ops.preflight.run import ForeignNetns, daemon_inputs, daemon_netns
@@ -235,13 +242,14 @@ def switch_gate(
     force: bool,
     config_path: Path | None = None,
     source: Path | None = None,
+    admin: AdminTarget | None = None,
 ) -> SwitchGate | None:
     """Run preflight for `kproxy switch --to`. None when there is nothing to check here:
     no kproxy answers (the switch call reports that), or --to previous without a previous
     mode (the proxy answers that). Raises UsageError for bad arguments."""
     from kproxy.ops.preflight.run import run_preflight
 
-    inputs = resolve_inputs(state_dir, config_path, source)
+    inputs = resolve_inputs(state_dir, config_path, source, admin=admin)
     status = inputs.status
     if status is None:
         return None
