@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Iterator
 
@@ -51,6 +52,16 @@ def _lab() -> Iterator[Lab]:
 def lab() -> Iterator[Lab]:
     """A fresh lab (3 pods, 2 clients) per test, torn down afterwards even on failure."""
     yield from _lab()
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """A fresh event loop that the test drives itself (the userspace engines' tests)."""
+    loop = asyncio.new_event_loop()
+    try:
+        yield loop
+    finally:
+        loop.close()
 
 
 @pytest.fixture(scope="module")

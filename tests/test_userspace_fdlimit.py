@@ -10,7 +10,6 @@ import resource
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,15 +73,6 @@ def test_lift_raises_the_soft_limit_and_never_lowers_it() -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     expected_hard = hard if hard != resource.RLIM_INFINITY else 1024
     assert [int(x) for x in out] == [500, 500, expected_hard]
-
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    try:
-        yield loop
-    finally:
-        loop.close()
 
 
 def loopback_listener(protocol: str, _port: int) -> socket.socket:

@@ -8,7 +8,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,15 +24,6 @@ def udp_socket(port: int = 0) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
     sock.bind(("127.0.0.1", port))
     return sock
-
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    try:
-        yield loop
-    finally:
-        loop.close()
 
 
 def engine_for(
