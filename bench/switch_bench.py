@@ -203,7 +203,7 @@ def daemon_state(proxy: ProxyProcess, lines: int = 60) -> dict[str, object]:
 
 def in_guest(args: argparse.Namespace) -> int:
     """This benchmark again inside a UML guest; its output is printed as it comes back."""
-    from kproxy.lab.uml import UmlGuest
+    from kproxy.lab.uml import HOST_MEMORY_FAILURE, UmlGuest, host_memory_reason
 
     argv = [sys.executable, "-m", "bench.switch_bench", "--sizes", args.sizes]
     argv += ["--pairs", args.pairs, "--backend", args.backend or "legacy"]
@@ -212,6 +212,8 @@ def in_guest(args: argparse.Namespace) -> int:
     with UmlGuest(mem=args.mem, timeout=args.timeout) as guest:
         result = guest.run(argv, cwd=REPO, env={"PYTHONPATH": str(REPO)})
     print(result.output, end="")
+    if HOST_MEMORY_FAILURE in result.console:
+        print(f"\nUML: {host_memory_reason()}")
     return result.returncode
 
 

@@ -382,3 +382,17 @@ def test_a_guest_that_cannot_boot_here_says_why() -> None:
     result = uml.UmlResult(argv=("true",), returncode=None, output="", console=line, init_log="")
     assert uml.FPU_STATE_REASON in result.describe_failure()
     assert "AMX" in uml.FPU_STATE_REASON
+
+
+def test_a_guest_process_the_host_refused_mappings_is_explained() -> None:
+    # The guest prints this and kills the process; the command itself exits non-zero.
+    console = (
+        "syscall_stub_dump_error : stub syscall type 1 failed, return value = 0xfffffffffffffff4\n"
+        f"{uml.HOST_MEMORY_FAILURE}! This can happen due to a memory limitation or "
+        "vm.max_map_count has been reached.\n"
+    )
+    result = uml.UmlResult(argv=("bench",), returncode=1, output="", console=console, init_log="")
+    text = result.describe_failure()
+    assert "vm.max_map_count (" in text and "SIGSEGV" in text
+    ok = uml.UmlResult(argv=("bench",), returncode=1, output="", console="", init_log="")
+    assert "max_map_count" not in ok.describe_failure()

@@ -139,6 +139,27 @@ FPU_STATE_REASON = (
     "IPv4: build one for the lab with `kproxy lab uml-kernel` (`make test` does)"
 )
 
+# What the guest kernel prints when the host refuses a guest process another memory mapping.
+# UML maps each page of a guest process into that process's host stub on its own (the
+# guest's free pages are scattered), so the host's vm.max_map_count (65,530 by default)
+# caps a guest process near 256 MiB resident; past it the process dies with SIGSEGV. Seen
+# with the kproxy daemon switching ipvs -> nftables at 10,000 services: a limit of the lab,
+# not of the proxy (the same daemon on the host peaks near 300 MB).
+HOST_MEMORY_FAILURE = "UML ran out of memory on the host side"
+
+
+def host_memory_reason() -> str:
+    try:
+        limit = Path("/proc/sys/vm/max_map_count").read_text().strip()
+    except OSError:
+        limit = "?"
+    return (
+        f"a guest process needed more host memory mappings than vm.max_map_count ({limit}) "
+        "allows: UML maps a guest process's pages one by one, which caps each process near "
+        "max_map_count x 4 KiB resident; the process was killed (SIGSEGV). Run it with fewer "
+        "services, or on a host whose vm.max_map_count is higher"
+    )
+
 
 def in_uml() -> bool:
     """Whether this process runs inside a guest started by this module."""
@@ -259,6 +280,8 @@ class UmlResult:
         parts = [f"{head}: {shlex.join(self.argv)}"]
         if self.returncode is None and FPU_STATE_FAILURE in self.console:
             parts.append(FPU_STATE_REASON)
+        if HOST_MEMORY_FAILURE in self.console:
+            parts.append(host_memory_reason())
         for name, text in (("output", self.output), ("init", self.init_log)):
             if text.strip():
                 parts.append(f"--- {name} (tail) ---\n{text.strip()[-3000:]}")
