@@ -102,6 +102,35 @@ def test_make_before_break_order(tmp_path: Path) -> None:
     assert len(report.snapshots) == 2 and all(Path(p).exists() for p in report.snapshots)
 
 
+def test_the_report_keeps_a_sample_of_every_kind_removed_and_the_whole_list_in_a_file(
+    tmp_path: Path,
+) -> None:
+    # At 10,000 services an iptables mode leaves 110,000 chains: the report (kept by the
+    # daemon, written to status.json at every sync) holds a sample, the file all of them.
+    from kproxy.dataplane.base import OwnedObject
+    from kproxy.switch import REMOVED_IN_REPORT
+
+    chains = [OwnedObject("iptables-chain", "nat", f"KUBE-SEP-{i:06d}", "kube") for i in range(500)]
+    extra = [OwnedObject("iptables-rule", "nat", "PREROUTING -j KUBE-SERVICES", "jump")]
+
+    class Big(Plane):
+        def cleanup(self, *, dry_run: bool = False) -> list:
+            self.calls.append(f"{self.mode}.cleanup")
+            return chains + extra
+
+    calls: list[str] = []
+    switcher = switcher_for(calls, state_dir=tmp_path)
+    report, _ = switcher.switch(Big("iptables", calls), SNAP, "nftables", timeout=30)
+    assert report.ok and report.removed_total == 501
+    assert report.removed_by_kind == {"iptables-chain": 500, "iptables-rule": 1}
+    assert len(report.removed) <= REMOVED_IN_REPORT
+    assert str(extra[0]) in report.removed and str(chains[0]) in report.removed
+    assert report.removed_file is not None
+    kept = Path(report.removed_file).read_text().splitlines()
+    assert kept == [str(o) for o in chains + extra]
+    switcher.wait_records(10)
+
+
 def test_a_failing_after_record_does_not_undo_a_done_switch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -199,3 +228,31 @@ def test_an_unexpected_error_before_cut_over_rolls_back_too(tmp_path: Path) -> N
     )
     assert calls == ["userspace.cleanup"], "the new mode removed, the old one never detached"
     assert report.from_mode == "iptables" and report.steps[-1].name == "roll-back"
+
+
+def test_nft_documents_are_joined_by_text_and_stay_valid_json() -> None:
+    # Parsing the 10,000-service table's ~100 MB document to merge it took the daemon's
+    # after-switch record to ~1 GB resident.
+    from kproxy.ops.snapshot import join_nft_documents, nftables_section
+
+    ip = '{"nftables": [{"metainfo": {"version": "1.0.6"}}, {"table": {"family": "ip"}}]}'
+    ip6 = '{"nftables": [{"metainfo": {"version": "1.0.6"}}, {"table": {"family": "ip6"}}]}'
+    assert join_nft_documents([ip]) is ip
+    joined = json.loads(join_nft_documents([ip, ip6]))["nftables"]
+    assert [next(iter(i)) for i in joined] == ["metainfo", "table", "metainfo", "table"]
+    assert json.loads(join_nft_documents([ip, '{"nftables": []}'])) == json.loads(ip)
+
+    def run(argv: list[str]) -> tuple[int, str, str]:
+        if argv[-2] == "ip":
+            return 0, ip + "\n", ""
+        return 1, "", "Error: No such file or directory; did you mean table 'kube-proxy'?"
+
+    section = nftables_section(run)
+    assert section["ok"] and json.loads(section["output"]) == json.loads(ip)
+
+    def broken(argv: list[str]) -> tuple[int, str, str]:
+        return 0, "table ip kube-proxy {", ""
+
+    section = nftables_section(broken)
+    assert not section["ok"] and "not a JSON document" in section["error"]
+    assert json.loads(section["output"]) == {"nftables": []}

@@ -735,10 +735,12 @@ def switch(
     if report.get("ok"):
         typer.secho(
             f"switched {report['from_mode']} -> {report['to_mode']} in {report['duration']:.2f} s; "
-            f"{len(report.get('removed', []))} objects of {report['from_mode']} removed"
+            f"{report.get('removed_total', 0)} objects of {report['from_mode']} removed"
             + (" (FORCED past blocking preflight findings)" if report.get("forced") else ""),
             fg=typer.colors.GREEN,
         )
+        if report.get("removed_file"):
+            typer.echo(f"  the removed objects, one a line: {report['removed_file']}")
         raise typer.Exit(0)
     typer.secho(
         f"switch {report['from_mode']} -> {report['to_mode']} FAILED, "
@@ -877,14 +879,14 @@ def snapshot(
 ) -> None:
     """Record this node's dataplane (iptables of both backends, nftables, IPVS, ipsets,
     kube-ipvs0, conntrack usage) as one JSON document. Read only."""
-    from kproxy.ops.snapshot import services, take
+    from kproxy.ops.snapshot import services, take, write
 
     snap = take()
-    text = json.dumps(snap, indent=1) + "\n"
     if output is None:
-        sys.stdout.write(text)
+        json.dump(snap, sys.stdout, indent=1)
+        sys.stdout.write("\n")
         return
-    output.write_text(text)
+    write(snap, output)
     found = services(snap)
     summary = ", ".join(f"{name}: {len(keys)} service destinations" for name, keys in found.items())
     typer.echo(f"wrote {output} ({summary or 'no kube-proxy dataplane found'})")

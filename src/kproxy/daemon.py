@@ -165,6 +165,8 @@ class Daemon:
                 self.previous_mode = old.mode
                 self.dataplane = now_serving
                 self.loop.set_dataplane(now_serving)
+        if not report.ok:
+            release_free_heap()  # what the failed attempt built (a success's record does it)
         self.metrics.switched(report.from_mode, report.to_mode, report.ok, report.duration)
         self.last_switch = report.to_dict()
         self.write_status()

@@ -20,7 +20,6 @@ Established connections survive the cut-over: conntrack keeps their translation.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import socket
@@ -41,8 +40,10 @@ from kproxy.dataplane.base import (
     OwnedObject,
     SyncError,
 )
+from kproxy.memory import release_free_heap
 from kproxy.model.objects import Protocol, Snapshot
 from kproxy.ops.snapshot import ServiceKey, plane_services, take
+from kproxy.ops.snapshot import write as write_snapshot
 
 log = logging.getLogger("kproxy.switch")
 
@@ -59,6 +60,12 @@ class Step:
     detail: str = ""
 
 
+# What the remove step deleted, in the report: a sample with every kind in it. The whole
+# list (110,000 chains at 10,000 services) goes to a file in the state dir: kept in the
+# report it held 16 MB in the daemon and was rewritten to status.json at every sync.
+REMOVED_IN_REPORT = 100
+
+
 @dataclass
 class SwitchReport:
     from_mode: str
@@ -66,7 +73,10 @@ class SwitchReport:
     ok: bool = False
     error: str | None = None
     steps: list[Step] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)  # a sample, see removed_total
+    removed_total: int = 0
+    removed_by_kind: dict[str, int] = field(default_factory=dict)
+    removed_file: str | None = None  # every removed object, one a line
     snapshots: list[str] = field(default_factory=list)
     duration: float = 0.0
 
@@ -121,6 +131,16 @@ def probe(ip: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
         except OSError as err:
             return f"{ip}:{port}: {err.strerror or type(err).__name__}"
     return None
+
+
+def removed_sample(removed: list[OwnedObject], limit: int = REMOVED_IN_REPORT) -> list[str]:
+    """Up to `limit` of the removed objects, the first of every kind included."""
+    by_kind: dict[str, list[OwnedObject]] = {}
+    for obj in removed:
+        by_kind.setdefault(obj.kind, []).append(obj)
+    per_kind = max(1, limit // max(1, len(by_kind)))
+    sample = [obj for objs in by_kind.values() for obj in objs[:per_kind]]
+    return [str(o) for o in sample[: max(limit, len(by_kind))]]
 
 
 def _release(dp: Dataplane) -> None:
@@ -262,7 +282,7 @@ class ModeSwitcher:
         path = self._snapshot_path(report, "before")
         if path is None:
             return "no state dir: not kept"
-        path.write_text(json.dumps(self.snapshotter(), indent=1))
+        write_snapshot(self.snapshotter(), path)
         report.snapshots.append(str(path))
         return str(path)
 
@@ -281,9 +301,13 @@ class ModeSwitcher:
 
         def write() -> None:
             try:
-                path.write_text(json.dumps(snapshotter(), indent=1))
+                write_snapshot(snapshotter(), path)
             except Exception as err:
                 log.warning("could not record the dataplane after the switch: %s", err)
+            finally:
+                # The old mode's state, the new mode's first full sync and this record's
+                # dumps are garbage now: hand the heap back (kproxy.memory).
+                release_free_heap()
 
         self._recorder = threading.Thread(target=write, name="switch-record", daemon=True)
         self._recorder.start()
@@ -337,12 +361,28 @@ class ModeSwitcher:
         else:
             removed, draining = retire()
         _release(old)
-        report.removed = [str(o) for o in removed]
+        report.removed = removed_sample(removed)
+        report.removed_total = len(removed)
+        for obj in removed:
+            report.removed_by_kind[obj.kind] = report.removed_by_kind.get(obj.kind, 0) + 1
+        report.removed_file = self._keep_removed(report, removed)
         detail = f"{len(removed)} objects of {old.mode} removed"
         if draining is not None and not draining.done:
             self._reap(draining)
             detail += f"; {draining.summary()}"
         return detail
+
+    def _keep_removed(self, report: SwitchReport, removed: list[OwnedObject]) -> str | None:
+        path = self._snapshot_path(report, "removed")
+        if path is None or not removed:
+            return None
+        path = path.with_suffix(".txt")
+        try:
+            path.write_text("".join(f"{o}\n" for o in removed))
+        except OSError as err:
+            log.warning("could not keep the list of removed objects: %s", err)
+            return None
+        return str(path)
 
     def _reap(self, draining: Draining) -> None:
         """Reap a retired mode's draining state in a daemon thread of this process."""
