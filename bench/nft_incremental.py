@@ -115,7 +115,7 @@ def one_size(n: int, repeats: int, text_full: bool, probe: bool) -> None:
             print(f"  full sync, upstream form (one nft -f): {time.perf_counter() - start:.1f} s")
             subprocess.run(netns.exec_argv(ns, ["nft", "delete", "table", "ip", "kube-proxy"]))
             netns.wait_quiet()
-        dp = NftablesDataplane(workload.facts(), opts, netns=ns, fast=True)
+        dp = NftablesDataplane(workload.facts(), opts, netns=ns, fast=True, keep_last_write=True)
         start = time.perf_counter()
         dp.sync(t.snapshot(), full=True)
         steps = len(dp.backend.last_steps)  # type: ignore[attr-defined]

@@ -163,7 +163,7 @@ def test_every_golden_case_renders_to_a_valid_nft_script(netns: str) -> None:
 
 def test_one_service_change_is_a_small_transaction(netns: str) -> None:
     t = tracker(300)
-    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, clock=Clock())
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, clock=Clock(), keep_last_write=True)
     full = dp.sync(t.snapshot(), full=True)
     assert dp.last_write is not None
     full_ops = len(dp.last_write.tx)
@@ -207,7 +207,7 @@ def test_full_sync_trusts_a_kernel_only_kproxy_changed(netns: str) -> None:
     generation says so): a full sync writes only what changed. Anyone else's commit ends
     that, and the next full sync reads the table and repairs what was done to it."""
     t = tracker(30)
-    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, clock=Clock())
+    dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, clock=Clock(), keep_last_write=True)
     assert not dp.sync(t.snapshot(), full=True).kernel_unchanged
     again = dp.sync(t.snapshot(), full=True)
     assert again.full and again.kernel_unchanged
@@ -282,7 +282,7 @@ def test_rejected_netlink_step_names_the_element(netns: str, tmp_path: Path) -> 
 def test_restart_adopts_the_table(netns: str) -> None:
     t = tracker(30)
     NftablesDataplane(FACTS, OPTIONS, netns=netns).sync(t.snapshot(), full=True)
-    again = NftablesDataplane(FACTS, OPTIONS, netns=netns)
+    again = NftablesDataplane(FACTS, OPTIONS, netns=netns, keep_last_write=True)
     again.sync(t.snapshot(), full=False)
     assert again.last_write is not None
     lines = again.last_write.tx.lines

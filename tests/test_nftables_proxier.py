@@ -69,7 +69,7 @@ class World:
         self.backend = FakeBackend()
         self.clock = Clock()
         self.dp = NftablesDataplane(
-            FACTS, OPTIONS, backend=self.backend, clock=self.clock, **kwargs
+            FACTS, OPTIONS, backend=self.backend, clock=self.clock, keep_last_write=True, **kwargs
         )
 
     def apply(self, *objs: dict[str, Any], delete: bool = False) -> None:
@@ -298,7 +298,9 @@ def test_detach_removes_the_base_chains_and_the_next_sync_attaches_again() -> No
 def test_full_sync_after_restart_adopts_elements() -> None:
     w = World(services=4)
     w.sync(full=True)
-    restarted = NftablesDataplane(FACTS, OPTIONS, backend=w.backend, clock=w.clock)
+    restarted = NftablesDataplane(
+        FACTS, OPTIONS, backend=w.backend, clock=w.clock, keep_last_write=True
+    )
     restarted.sync(w.tracker.snapshot(), full=False)
     assert restarted.last_write is not None
     lines = restarted.last_write.tx.lines

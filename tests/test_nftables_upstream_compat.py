@@ -110,6 +110,7 @@ def dataplane(
         backend=backend,
         service_cidrs=fixture()["service_cidrs"],
         clock=clock,
+        keep_last_write=True,
     )
     return dp, backend, clock
 

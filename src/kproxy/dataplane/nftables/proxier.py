@@ -163,7 +163,11 @@ class NftablesDataplane:
         fast: bool = True,
         service_cidrs: Iterable[str] = (),
         clock: Callable[[], float] = time.monotonic,
+        keep_last_write: bool = False,
     ) -> None:
+        """keep_last_write: keep each sync's whole transaction in last_write (tests and
+        benchmarks read it); the daemon does not: at 10,000 services a full sync's is ~130 MB
+        that would live until the next sync (through a switch's after-record, say)."""
         self.facts = facts
         self.options = options
         self.netns = netns
@@ -178,6 +182,7 @@ class NftablesDataplane:
         self._base_chains_recreated = False  # upstream's "flushed"
         self._synced_once = False
         self.last_plan: NftablesPlan | None = None
+        self.keep_last_write = keep_last_write
         self.last_write: SyncWrite | None = None
         self.last_stale_deletion: list[str] = []
         # Seconds per phase of the last sync (stale_delete, plan, read, write, apply).
@@ -235,7 +240,7 @@ class NftablesDataplane:
             flush_containers=flush,
             now=now,
         )
-        self.last_write = write
+        self.last_write = write if self.keep_last_write else None
         timings["write"] = time.perf_counter() - mark
         mark = time.perf_counter()
         try:
