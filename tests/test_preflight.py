@@ -572,7 +572,9 @@ def test_an_open_file_limit_below_the_listeners_blocks_a_switch_to_userspace(
     # Every worker holds a socket per listener; the running proxy's limits decide.
     objs = web_objects(type="NodePort")
     objs[1]["spec"]["ports"][0]["nodePort"] = 30080  # 2 listeners
-    no_resource = ((1 << 41) - 1) & ~(1 << 24)
+    from kproxy.dataplane.userspace import fdlimit
+
+    no_resource = ((1 << 41) - 1) & ~(1 << fdlimit.CAP_SYS_RESOURCE)
 
     def proc(pid: int, soft: int, hard: int, caps: int) -> dict[str, Any]:
         fake.file(
@@ -583,7 +585,7 @@ def test_an_open_file_limit_below_the_listeners_blocks_a_switch_to_userspace(
         return {"pid": pid, "mode": "iptables"}
 
     fake.file("/proc/sys/fs/nr_open", "1048576\n")
-    tight = proc(41, 300, 300, no_resource)  # room for no listener beside the reserve
+    tight = proc(41, 1100, 1100, no_resource)  # room for no listener beside the reserve
     f = one(
         run(fake, "userspace", families=["config"], objects=objs, status=tight),
         "config.open-file-limit",
@@ -596,7 +598,8 @@ def test_an_open_file_limit_below_the_listeners_blocks_a_switch_to_userspace(
         run(fake, "userspace", families=["config"], objects=objs, status=some),
         "config.open-file-limit",
     )
-    assert f.severity is Severity.WARN and f.facts["connections"] == (4096 - 256 - 2) // 2
+    assert f.severity is Severity.WARN
+    assert f.facts["connections"] == (4096 - fdlimit.RESERVE - 2) // 2
     # Root with CAP_SYS_RESOURCE lifts the hard limit itself (a UML guest's 4096).
     able = proc(43, 1024, 4096, (1 << 41) - 1)
     assert "config.open-file-limit" not in ids(

@@ -1,8 +1,8 @@
 """The file descriptors a userspace worker needs, and its open-file limit lifted to match.
 
 Every worker listens on every proxy port (SO_REUSEPORT), so it holds one socket per
-listener, two per forwarded TCP connection and one per UDP session, plus a few for its
-table, status files and splice pipes. At 10,000 services the listeners alone need 10,000:
+listener, two per forwarded TCP connection and one per UDP session, plus a reserve for
+its splice pipes, table and status files. At 10,000 services the listeners alone need 10,000:
 more than a process gets by default (1,024 soft; a UML guest's init hands on a hard limit
 of 4,096). A worker out of descriptors cannot even write the status that tells the
 controller it applied the table, so the budget is planned up front: listeners first (a
@@ -22,9 +22,10 @@ from pathlib import Path
 
 # Connections a worker forwards at most, unless told otherwise (`--max-connections`).
 DEFAULT_MAX_CONNECTIONS = 8192
-# The worker's own files: table reads, status and report writes, pipes for splice (a
-# small pool), the event loop's, logging's and the executor's descriptors.
-RESERVE = 256
+# The worker's own descriptors: the splice engine's pipes (a pair per connection with bytes
+# in flight, up to tcp.PIPE_POOL = 256 pairs kept for reuse), table reads, status and report
+# writes, the event loop's, logging's and the executor's.
+RESERVE = 1024
 # Two sockets per forwarded TCP connection (client and endpoint).
 FDS_PER_CONNECTION = 2
 # Listeners never take the last of the room: a worker keeps at least this many
