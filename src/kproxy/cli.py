@@ -879,15 +879,15 @@ def snapshot(
 ) -> None:
     """Record this node's dataplane (iptables of both backends, nftables, IPVS, ipsets,
     kube-ipvs0, conntrack usage) as one JSON document. Read only."""
-    from kproxy.ops.snapshot import services, take, write
+    from kproxy.ops.snapshot import services, take
+    from kproxy.ops.snapshot_file import write_node_snapshot
 
-    snap = take()
     if output is None:
-        json.dump(snap, sys.stdout, indent=1)
+        json.dump(take(), sys.stdout, indent=1)
         sys.stdout.write("\n")
         return
-    write(snap, output)
-    found = services(snap)
+    write_node_snapshot(output)
+    found = services(json.loads(output.read_text()))
     summary = ", ".join(f"{name}: {len(keys)} service destinations" for name, keys in found.items())
     typer.echo(f"wrote {output} ({summary or 'no kube-proxy dataplane found'})")
 

@@ -42,8 +42,9 @@ from kproxy.dataplane.base import (
 )
 from kproxy.memory import release_free_heap
 from kproxy.model.objects import Protocol, Snapshot
-from kproxy.ops.snapshot import ServiceKey, plane_services, take
+from kproxy.ops.snapshot import ServiceKey, plane_services
 from kproxy.ops.snapshot import write as write_snapshot
+from kproxy.ops.snapshot_file import write_node_snapshot
 
 log = logging.getLogger("kproxy.switch")
 
@@ -157,12 +158,14 @@ class ModeSwitcher:
         make_dataplane: Callable[[str], Dataplane],
         state_dir: Path | None,
         prober: Callable[[str, int], str | None] = probe,
-        snapshotter: Callable[[], dict[str, object]] = take,
+        snapshotter: Callable[[], dict[str, object]] | None = None,
         plane_reader: Callable[[str], dict[ServiceKey, str]] = plane_services,
     ) -> None:
         self.make_dataplane = make_dataplane
         self.state_dir = state_dir
         self.prober = prober
+        # None: the node's own snapshot, streamed to the file (ops.snapshot_file); tests
+        # give a function that returns the document.
         self.snapshotter = snapshotter
         self.plane_reader = plane_reader
         self._reapers: list[threading.Thread] = []
@@ -270,6 +273,12 @@ class ModeSwitcher:
         stamp = time.strftime("%Y%m%dT%H%M%S")
         return self.state_dir / f"switch-{stamp}-{report.from_mode}-{report.to_mode}-{when}.json"
 
+    def _write_record(self, path: Path) -> None:
+        if self.snapshotter is None:
+            write_node_snapshot(path)
+        else:
+            write_snapshot(self.snapshotter(), path)
+
     def _snapshot_before(self, report: SwitchReport, before: Path | None) -> str:
         if before is not None:
             try:
@@ -282,7 +291,7 @@ class ModeSwitcher:
         path = self._snapshot_path(report, "before")
         if path is None:
             return "no state dir: not kept"
-        write_snapshot(self.snapshotter(), path)
+        self._write_record(path)
         report.snapshots.append(str(path))
         return str(path)
 
@@ -297,11 +306,10 @@ class ModeSwitcher:
             return f"not kept: {err}"
         if path is None:
             return "no state dir: not kept"
-        snapshotter = self.snapshotter
 
         def write() -> None:
             try:
-                write_snapshot(snapshotter(), path)
+                self._write_record(path)
             except Exception as err:
                 log.warning("could not record the dataplane after the switch: %s", err)
             finally:

@@ -91,6 +91,20 @@ def join_nft_documents(outputs: list[str]) -> str:
     return '{"nftables": [' + ", ".join(parts) + "]}"
 
 
+NFT_COMMAND = "; ".join(f"nft -j list table {f} {n}" for f, n in NFT_TABLES)
+
+# The sections of a snapshot, in order, and the command each records (None: the nftables
+# tables, nftables_section).
+SECTIONS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
+    ("iptables-nft", ("iptables-nft-save",)),
+    ("iptables-legacy", ("iptables-legacy-save",)),
+    ("nftables", None),
+    ("ipset", ("ipset", "save")),
+    ("ipvs", ("ipvsadm", "-S", "-n")),
+    ("kube-ipvs0", ("ip", "-j", "addr", "show", "dev", "kube-ipvs0")),
+)
+
+
 def nftables_section(run: Reader) -> dict[str, Any]:
     """kube-proxy's nftables tables as one `nft -j` document (absent tables are no error)."""
     outputs: list[str] = []
@@ -105,7 +119,7 @@ def nftables_section(run: Reader) -> dict[str, Any]:
         elif "No such file or directory" not in err and code != 127:
             errors.append(f"{family} {name}: {err.strip()}")
     return {
-        "command": "; ".join(f"nft -j list table {f} {n}" for f, n in NFT_TABLES),
+        "command": NFT_COMMAND,
         "ok": not errors,
         "output": join_nft_documents(outputs) if outputs else '{"nftables": []}',
         "error": "; ".join(errors),
@@ -120,27 +134,31 @@ def write(snap: dict[str, Any], path: Path) -> None:
         f.write("\n")
 
 
+def conntrack_usage(netns: str | None) -> dict[str, int | None]:
+    code, out, _ = _run(["conntrack", "-C"], netns)
+    _, max_out, _ = _run(["cat", "/proc/sys/net/netfilter/nf_conntrack_max"], netns)
+    return {
+        "count": int(out.strip()) if code == 0 and out.strip().isdigit() else None,
+        "max": int(max_out.strip()) if max_out.strip().isdigit() else None,
+    }
+
+
 def take(netns: str | None = None) -> dict[str, Any]:
-    """The node's dataplane now (read only; nothing is changed)."""
+    """The node's dataplane now (read only; nothing is changed). ops.snapshot_file writes
+    the same document straight to a file."""
     snap: dict[str, Any] = {
         "format": FORMAT,
         "taken_at": time.time(),
         "host": platform.node(),
         "kernel": platform.release(),
         "netns": netns,
-        "iptables-nft": _section(["iptables-nft-save"], netns),
-        "iptables-legacy": _section(["iptables-legacy-save"], netns),
-        "nftables": nftables_section(lambda argv: _run(argv, netns)),
-        "ipset": _section(["ipset", "save"], netns),
-        "ipvs": _section(["ipvsadm", "-S", "-n"], netns),
-        "kube-ipvs0": _section(["ip", "-j", "addr", "show", "dev", "kube-ipvs0"], netns),
     }
-    code, out, _ = _run(["conntrack", "-C"], netns)
-    _, max_out, _ = _run(["cat", "/proc/sys/net/netfilter/nf_conntrack_max"], netns)
-    snap["conntrack"] = {
-        "count": int(out.strip()) if code == 0 and out.strip().isdigit() else None,
-        "max": int(max_out.strip()) if max_out.strip().isdigit() else None,
-    }
+    for key, argv in SECTIONS:
+        if argv is None:
+            snap[key] = nftables_section(lambda cmd: _run(cmd, netns))
+        else:
+            snap[key] = _section(argv, netns)
+    snap["conntrack"] = conntrack_usage(netns)
     return snap
 
 

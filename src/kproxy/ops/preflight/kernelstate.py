@@ -15,15 +15,11 @@ from typing import Any
 
 from kproxy.ops.preflight.access import NodeAccess
 from kproxy.ops.snapshot import FORMAT, nftables_section
+from kproxy.ops.snapshot import SECTIONS as SNAPSHOT_SECTIONS
 
-_COMMANDS: dict[str, list[str]] = {
-    "iptables-nft": ["iptables-nft-save"],
-    "iptables-legacy": ["iptables-legacy-save"],
-    "ipset": ["ipset", "save"],
-    "ipvs": ["ipvsadm", "-S", "-n"],
-    "kube-ipvs0": ["ip", "-j", "addr", "show", "dev", "kube-ipvs0"],
-}
-SECTIONS = (*_COMMANDS, "nftables")
+# The command of each section (None: the nftables tables), as ops.snapshot.take() reads them.
+_COMMANDS: dict[str, tuple[str, ...] | None] = dict(SNAPSHOT_SECTIONS)
+SECTIONS = tuple(_COMMANDS)
 
 
 class KernelState(Mapping[str, Any]):
@@ -65,9 +61,8 @@ class KernelState(Mapping[str, Any]):
         if key not in SECTIONS:
             raise KeyError(key)
         if key not in self._sections:
-            self._sections[key] = (
-                self._nftables() if key == "nftables" else self._section(_COMMANDS[key])
-            )
+            argv = _COMMANDS[key]
+            self._sections[key] = self._nftables() if argv is None else self._section(list(argv))
         return self._sections[key]
 
     def __iter__(self) -> Iterator[str]:
