@@ -29,7 +29,7 @@ from kproxy.dataplane.facts import NodeFacts
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.lab.cli import lab_app
 from kproxy.model.objects import Snapshot
-from kproxy.server.admin import AdminBindError, AdminTarget
+from kproxy.server.admin import AdminBindError, AdminTarget, parse_admin_address
 
 app = typer.Typer(
     help="kproxy: a Kubernetes service proxy compatible with kube-proxy, with safe live "
@@ -580,8 +580,6 @@ TokenFileOpt = Annotated[
 
 
 def _admin_tcp(address: str | None) -> tuple[str, int] | None:
-    from kproxy.server.admin import parse_admin_address
-
     if not address:
         return None
     try:
@@ -592,8 +590,6 @@ def _admin_tcp(address: str | None) -> tuple[str, int] | None:
 
 def _admin_target(state_dir: Path, address: str | None, token_file: Path | None) -> AdminTarget:
     """The running proxy's admin endpoint; a usage error (exit 2) names what is wrong."""
-    from kproxy.server.admin import AdminTarget
-
     try:
         return AdminTarget.of(state_dir, address, token_file)
     except ValueError as err:

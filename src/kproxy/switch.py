@@ -20,6 +20,7 @@ Established connections survive the cut-over: conntrack keeps their translation.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import socket
@@ -43,7 +44,6 @@ from kproxy.dataplane.base import (
 from kproxy.memory import release_free_heap
 from kproxy.model.objects import Protocol, Snapshot
 from kproxy.ops.snapshot import ServiceKey, plane_services
-from kproxy.ops.snapshot import write as write_snapshot
 from kproxy.ops.snapshot_file import write_node_snapshot
 
 log = logging.getLogger("kproxy.switch")
@@ -277,7 +277,8 @@ class ModeSwitcher:
         if self.snapshotter is None:
             write_node_snapshot(path)
         else:
-            write_snapshot(self.snapshotter(), path)
+            with path.open("w") as f:
+                json.dump(self.snapshotter(), f, indent=1)
 
     def _snapshot_before(self, report: SwitchReport, before: Path | None) -> str:
         if before is not None:

@@ -144,7 +144,7 @@ FPU_STATE_REASON = (
 # guest's free pages are scattered), so the host's vm.max_map_count (65,530 by default)
 # caps a guest process near 256 MiB resident; past it the process dies with SIGSEGV. Seen
 # with the kproxy daemon switching ipvs -> nftables at 10,000 services: a limit of the lab,
-# not of the proxy (the same daemon on the host peaks near 300 MB).
+# not of the proxy (on the host that daemon peaks at ~384 MiB during the switch).
 HOST_MEMORY_FAILURE = "UML ran out of memory on the host side"
 
 

@@ -16,7 +16,6 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kproxy.dataplane.iptables.backend import in_netns
@@ -126,12 +125,15 @@ def nftables_section(run: Reader) -> dict[str, Any]:
     }
 
 
-def write(snap: dict[str, Any], path: Path) -> None:
-    """A snapshot to a file, encoded as it is written (the document of a 10,000-service node
-    is hundreds of MB: never a second copy of it as one string)."""
-    with path.open("w") as f:
-        json.dump(snap, f, indent=1)
-        f.write("\n")
+def header(netns: str | None) -> dict[str, Any]:
+    """What a snapshot says of itself, before its sections."""
+    return {
+        "format": FORMAT,
+        "taken_at": time.time(),
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "netns": netns,
+    }
 
 
 def conntrack_usage(netns: str | None) -> dict[str, int | None]:
@@ -146,13 +148,7 @@ def conntrack_usage(netns: str | None) -> dict[str, int | None]:
 def take(netns: str | None = None) -> dict[str, Any]:
     """The node's dataplane now (read only; nothing is changed). ops.snapshot_file writes
     the same document straight to a file."""
-    snap: dict[str, Any] = {
-        "format": FORMAT,
-        "taken_at": time.time(),
-        "host": platform.node(),
-        "kernel": platform.release(),
-        "netns": netns,
-    }
+    snap = header(netns)
     for key, argv in SECTIONS:
         if argv is None:
             snap[key] = nftables_section(lambda cmd: _run(cmd, netns))

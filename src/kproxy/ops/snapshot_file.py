@@ -12,22 +12,14 @@ from __future__ import annotations
 
 import codecs
 import json
-import platform
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from kproxy.dataplane.iptables.backend import in_netns
-from kproxy.ops.snapshot import (
-    FORMAT,
-    NFT_COMMAND,
-    NFT_TABLES,
-    SECTIONS,
-    conntrack_usage,
-)
+from kproxy.ops.snapshot import NFT_COMMAND, NFT_TABLES, SECTIONS, conntrack_usage, header
 
 CHUNK = 1 << 20
 WHITESPACE = b" \t\r\n\x0b\x0c"
@@ -160,16 +152,9 @@ def _nftables_into(out: IO[str], netns: str | None) -> None:
 
 def write_node_snapshot(path: Path, netns: str | None = None) -> None:
     """ops.snapshot.take(netns)'s document, written to `path` as the commands run."""
-    head: dict[str, Any] = {
-        "format": FORMAT,
-        "taken_at": time.time(),
-        "host": platform.node(),
-        "kernel": platform.release(),
-        "netns": netns,
-    }
     with path.open("w") as out:
         out.write("{\n")
-        for key, value in head.items():
+        for key, value in header(netns).items():
             out.write(f" {json.dumps(key)}: {json.dumps(value)},\n")
         for key, argv in SECTIONS:
             out.write(f" {json.dumps(key)}: ")

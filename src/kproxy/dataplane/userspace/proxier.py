@@ -209,8 +209,7 @@ class UserspaceDataplane:
             except (ControlError, OSError) as err:
                 raise SyncError(f"userspace workers did not take the table: {err}") from err
             self._table = staged
-            bad = self._bind_errors(applied, plan)
-            unopened = self._listen_failures(applied, plan)
+            bad, unopened = self._listen_errors(applied, plan)
             if unopened:
                 raise SyncError(unopened)
             if not bad:
@@ -223,35 +222,32 @@ class UserspaceDataplane:
         raise SyncError(f"cannot bind proxy ports (bad ports: {sorted(self._bad_ports)})")
 
     @staticmethod
-    def _bind_errors(applied: dict[int, Any], plan: UserspacePlan) -> set[int]:
-        """The proxy ports another program holds (a worker could not bind them)."""
+    def _listen_errors(applied: dict[int, Any], plan: UserspacePlan) -> tuple[set[int], str]:
+        """What the workers could not listen on: the proxy ports another program holds
+        (moved to other ports), and why listeners failed otherwise (the open-file limit,
+        say: moving them would not help; empty if none)."""
         ports = plan.ports
-        bad: set[int] = set()
-        for info in applied.values():
-            # A worker from before error kinds were reported: every error was a bind error.
-            kinds = dict(info.status.get("error_kinds") or {})
-            for key in dict(info.status.get("errors", {})):
-                if key in ports and kinds.get(key, "in-use") == "in-use":
-                    bad.add(ports[key])
-        return bad
-
-    @staticmethod
-    def _listen_failures(applied: dict[int, Any], plan: UserspacePlan) -> str:
-        """Why listeners of this plan could not be opened other than a taken port (the
-        open-file limit, say): moving them to other ports would not help. Empty if none."""
+        taken: set[int] = set()
+        failure = ""
         for index, info in sorted(applied.items()):
             errors = dict(info.status.get("errors", {}))
+            # A worker from before error kinds were reported: every error was a bind error.
             kinds = dict(info.status.get("error_kinds") or {})
-            failed = [
-                key for key in errors if key in plan.ports and kinds.get(key, "in-use") != "in-use"
-            ]
-            if failed:
+            failed = []
+            for key in errors:
+                if key not in ports:
+                    continue
+                if kinds.get(key, "in-use") == "in-use":
+                    taken.add(ports[key])
+                else:
+                    failed.append(key)
+            if failed and not failure:
                 more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-                return (
+                failure = (
                     f"userspace worker {index} could not open {len(failed)} of "
-                    f"{len(plan.ports)} listeners: {errors[failed[0]]}{more}"
+                    f"{len(ports)} listeners: {errors[failed[0]]}{more}"
                 )
-        return ""
+        return taken, failure
 
     def _save_ports(self, ports: dict[str, int]) -> None:
         self._ports = dict(ports)
