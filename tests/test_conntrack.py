@@ -23,7 +23,8 @@ from kproxy.conntrack import (
     parse_entry,
     stale_udp_filters,
 )
-from kproxy.dataplane.iptables.backend import IptablesBackend, run_command
+from kproxy.dataplane.iptables.backend import IptablesBackend
+from kproxy.host.commands import run_command
 
 kernel = pytest.mark.kernel
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")

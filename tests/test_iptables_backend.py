@@ -22,7 +22,6 @@ from kproxy.dataplane.iptables.backend import (
     outline_save,
     parse_failed_line,
     parse_save,
-    parse_version,
     restore_reason,
     restore_wait_flags,
     rule_spec,
@@ -35,6 +34,7 @@ from kproxy.dataplane.nodefacts import (
     parse_nfacct_list,
     pick_node_ips,
 )
+from kproxy.host.commands import parse_version
 
 FLAVOURS = ["nft", "legacy"]
 

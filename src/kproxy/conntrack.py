@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Final
 
-from kproxy.dataplane.iptables.backend import Runner, in_netns, run_command
+from kproxy.host.commands import Runner, in_netns, run_command
 
 log = logging.getLogger(__name__)
 

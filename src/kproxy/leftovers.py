@@ -17,11 +17,12 @@ from pathlib import Path
 
 from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
 from kproxy.dataplane.base import OwnedObject
-from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError, in_netns
+from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError
 from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
 from kproxy.dataplane.iptables.cleanup import iptables_mode_chain
 from kproxy.dataplane.userspace.proxier import clean_userspace_leftovers, userspace_chain
 from kproxy.defaults import DEFAULT_STATE_DIR
+from kproxy.host.commands import in_netns
 
 log = logging.getLogger("kproxy.leftovers")
 

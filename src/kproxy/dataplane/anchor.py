@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from kproxy.dataplane.iptables.backend import in_netns
+from kproxy.host.commands import in_netns
 
 log = logging.getLogger("kproxy.anchor")
 

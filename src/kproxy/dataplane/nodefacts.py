@@ -18,13 +18,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from kproxy.dataplane.facts import NodeFacts
-from kproxy.dataplane.iptables.backend import (
-    IptablesBackend,
-    Runner,
-    detect_backend,
-    in_netns,
-    run_command,
-)
+from kproxy.dataplane.iptables.backend import IptablesBackend, detect_backend
+from kproxy.host.commands import Runner, in_netns, run_command
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
-import ctypes
 import json
-import os
 import re
 import socket
 import ssl
@@ -36,8 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-NETNS_DIR = Path("/run/netns")
-CLONE_NEWNET = 0x40000000
+from kproxy.host.netns import socket_in_netns
 
 Obj = dict[str, Any]
 
@@ -500,38 +497,12 @@ def _event_for(c: _Change, was: bool, now: bool) -> Obj | None:
 
 
 def _socket_in_netns(netns: str | None, port: int) -> socket.socket:
-    """A listening TCP socket on 127.0.0.1 of a network namespace (None: the caller's).
-
-    setns affects only the calling thread, so a short-lived thread enters the namespace,
-    creates the socket (which stays in that namespace for its life) and ends; no thread of
-    the caller ever leaves its own namespace."""
-    result: list[socket.socket | BaseException] = []
-
-    def make() -> None:
-        try:
-            if netns is not None:
-                libc = ctypes.CDLL(None, use_errno=True)
-                fd = os.open(NETNS_DIR / netns, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    if libc.setns(fd, CLONE_NEWNET) != 0:
-                        err = ctypes.get_errno()
-                        raise OSError(err, f"setns into {netns}: {os.strerror(err)}")
-                finally:
-                    os.close(fd)
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", port))
-            sock.listen(64)
-            result.append(sock)
-        except BaseException as err:
-            result.append(err)
-
-    t = threading.Thread(target=make, name="kubeapi-socket")
-    t.start()
-    t.join()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
+    """A listening TCP socket on 127.0.0.1 of a network namespace (None: the caller's)."""
+    sock = socket_in_netns(netns, socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(64)
+    return sock
 
 
 class _HTTPServer(ThreadingHTTPServer):

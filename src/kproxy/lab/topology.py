@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import kproxy
+from kproxy.host.netns import NETNS_DIR
 from kproxy.lab.agent import ProbeAgent, ProbeError, ProbeResult
 
 __all__ = [
@@ -61,7 +62,6 @@ __all__ = [
 ]
 
 STATE_DIR = Path("/run/kproxy-lab")
-NETNS_DIR = Path("/run/netns")
 
 NODE_IP = "10.100.0.1"
 EXTERNAL_PREFIX_LEN = 24

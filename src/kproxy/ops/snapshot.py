@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kproxy.dataplane.iptables.backend import in_netns
+from kproxy.host.commands import in_netns
 
 FORMAT = "kproxy-snapshot/v1"
 # Service rules in KUBE-SERVICES, in either our restore order or iptables-save's order.

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-from kproxy.dataplane.iptables.backend import in_netns
+from kproxy.host.commands import in_netns
 from kproxy.ops.snapshot import NFT_COMMAND, NFT_TABLES, SECTIONS, conntrack_usage, header
 
 CHUNK = 1 << 20

@@ -27,9 +27,11 @@ import logging
 import re
 import shlex
 import subprocess
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
+
+from kproxy.host.commands import Runner, Version, in_netns, parse_version, run_command
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,6 @@ WAIT_INTERVAL_USECONDS: Final = "100000"
 HINT_CHAINS: Final = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY")
 _HINT_RE: Final = re.compile(r"^:(?:KUBE-IPTABLES-HINT|KUBE-KUBELET-CANARY)\b", re.MULTILINE)
 _RULE_RE: Final = re.compile(r"^-", re.MULTILINE)
-_VERSION_RE: Final = re.compile(r"v(\d+(?:\.\d+)+)")
 
 # How the tools name the rejected line. Measured on 1.8.9:
 #   "Error occurred at line: 4"          (parse errors, both flavours)
@@ -68,45 +69,6 @@ _LINE_RES: Final = (
 # Lines of restore's stderr that never explain a failure.
 _NOISE_PREFIXES: Final = ("Ignoring deprecated", "Try `", "Error occurred at line")
 _TOOL_PREFIX_RE: Final = re.compile(r"^[\w.-]+(?: v[\d.]+(?: \([^)]*\))?)?:(?:\s+|$)")
-
-Version = tuple[int, int, int]
-# A runner executes argv (already prefixed for the namespace) with optional stdin text.
-Runner = Callable[[Sequence[str], str | None], "subprocess.CompletedProcess[str]"]
-
-
-def run_command(
-    argv: Sequence[str], input_data: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Default runner: capture text output, never raise on a non-zero exit."""
-    try:
-        return subprocess.run(
-            list(argv),
-            input=input_data if input_data is not None else "",
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except FileNotFoundError as exc:
-        # Report a missing binary like a shell would, so callers see one failure shape.
-        return subprocess.CompletedProcess(list(argv), 127, "", f"{exc}\n")
-
-
-def in_netns(argv: Sequence[str], netns: str | None) -> list[str]:
-    """Prefix argv so it runs inside `netns` (None: the caller's own namespace)."""
-    if netns is None:
-        return list(argv)
-    return ["ip", "netns", "exec", netns, *argv]
-
-
-def parse_version(text: str) -> Version | None:
-    """'iptables v1.8.9 (nf_tables)' -> (1, 8, 9); None when no version is present."""
-    match = _VERSION_RE.search(text)
-    if match is None:
-        return None
-    parts = [int(p) for p in match.group(1).split(".")][:3]
-    while len(parts) < 3:
-        parts.append(0)
-    return parts[0], parts[1], parts[2]
 
 
 class IptablesError(Exception):

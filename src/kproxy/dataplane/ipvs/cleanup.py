@@ -28,15 +28,14 @@ from kproxy.dataplane.iptables.backend import (
     IptablesBackend,
     IptablesError,
     TableDump,
-    in_netns,
     parse_save,
     rule_chain,
-    run_command,
 )
 from kproxy.dataplane.iptables.cleanup import cleanup_input
 from kproxy.dataplane.ipvs import names as n
 from kproxy.dataplane.ipvs.hold import hold_objects
 from kproxy.dataplane.ipvs.plan import VSKey
+from kproxy.host.commands import in_netns, run_command
 
 if TYPE_CHECKING:
     from kproxy.dataplane.ipvs.dummy import DummyDevice

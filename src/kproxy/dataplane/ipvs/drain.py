@@ -35,11 +35,11 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kproxy.dataplane.iptables.backend import in_netns, run_command
 from kproxy.dataplane.ipvs import names as n
 from kproxy.dataplane.ipvs.netlink import KernelDest, KernelService
 from kproxy.dataplane.ipvs.nlsock import Request
 from kproxy.dataplane.ipvs.plan import PROTOCOL_NUMBERS, VSKey
+from kproxy.host.commands import in_netns, run_command
 
 log = logging.getLogger("kproxy.ipvs.drain")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from kproxy.dataplane.iptables.backend import Runner, in_netns, run_command
 from kproxy.dataplane.ipvs import names as n
+from kproxy.host.commands import Runner, in_netns, run_command
 
 MIN_VERSION = (6, 0)  # upstream's MinIPSetCheckVersion (IPv6 support)
 _VERSION_RE = re.compile(r"v(\d+)\.(\d+)")

@@ -18,7 +18,6 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kproxy.dataplane.iptables.backend import Runner, in_netns, run_command
 from kproxy.dataplane.ipvs import names as n
 from kproxy.dataplane.ipvs.nlsock import (
     NetlinkError,
@@ -35,6 +34,7 @@ from kproxy.dataplane.ipvs.nlsock import (
     u32,
 )
 from kproxy.dataplane.ipvs.plan import PROTOCOL_NAMES, PROTOCOL_NUMBERS, VirtualServer, VSKey
+from kproxy.host.commands import Runner, in_netns, run_command
 
 NETLINK_GENERIC = 16
 GENL_ID_CTRL = 0x10

@@ -13,14 +13,14 @@ A socket for another network namespace is opened from a thread that setns()es in
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import socket
 import struct
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from kproxy.host.netns import socket_in_netns
 
 NLMSG_HDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 NLA_HDR = struct.Struct("=HH")
@@ -38,8 +38,6 @@ NETLINK_CAP_ACK = 10
 NETLINK_EXT_ACK = 11
 NLA_TYPE_MASK = 0x3FFF
 
-NETNS_RUN_DIR = "/run/netns"
-CLONE_NEWNET = 0x40000000
 BATCH_MESSAGES = 1024
 BATCH_BYTES = 96 * 1024
 RECV_BUFFER = 256 * 1024
@@ -123,46 +121,9 @@ def be16(data: bytes) -> int:
     return struct.unpack_from("!H", data)[0]
 
 
-def _socket_in_netns(netns: str, proto: int) -> socket.socket:
-    """A netlink socket created inside another network namespace.
-
-    setns(2) with CLONE_NEWNET moves only the calling thread, so a short-lived thread
-    enters the namespace and creates the socket, which stays bound to that namespace for
-    its whole life. (pyroute2 forks a helper for this instead; the child's interpreter exit
-    runs the parent's atexit handlers, and costs a fork of the whole process.)"""
-    path = netns if netns.startswith("/") else f"{NETNS_RUN_DIR}/{netns}"
-    result: dict[str, object] = {}
-
-    def enter() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    code = ctypes.get_errno()
-                    raise OSError(code, f"setns into {path}: {os.strerror(code)}")
-                result["sock"] = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, proto)
-            finally:
-                os.close(fd)
-        except OSError as err:
-            result["error"] = err
-
-    thread = threading.Thread(target=enter, name=f"netns-{netns}")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]  # type: ignore[misc]
-    sock = result["sock"]
-    assert isinstance(sock, socket.socket)
-    return sock
-
-
 def open_socket(proto: int, netns: str | None = None) -> socket.socket:
     """A raw netlink socket of `proto`, in `netns` (a name under /run/netns) if given."""
-    if netns is None:
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, proto)
-    else:
-        sock = _socket_in_netns(netns, proto)
+    sock = socket_in_netns(netns, socket.AF_NETLINK, socket.SOCK_RAW, proto)
     sock.bind((0, 0))
     for opt in (33, socket.SO_RCVBUF):  # SO_RCVBUFFORCE needs CAP_NET_ADMIN; then the plain one
         try:

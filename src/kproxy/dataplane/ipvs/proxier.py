@@ -49,9 +49,7 @@ from kproxy.dataplane.iptables.backend import (
     IptablesBackend,
     IptablesError,
     RestoreError,
-    in_netns,
     parse_save,
-    run_command,
 )
 from kproxy.dataplane.ipvs import cleanup as ipvs_cleanup
 from kproxy.dataplane.ipvs import drain as ipvs_drain
@@ -63,6 +61,7 @@ from kproxy.dataplane.ipvs.ipset import IpsetClient, IpsetError, sync_lines
 from kproxy.dataplane.ipvs.netlink import IpvsNetlink, KernelDest, NetlinkError
 from kproxy.dataplane.ipvs.nlsock import Request
 from kproxy.dataplane.ipvs.plan import Dest, IpvsPlan, IpvsPlanner, VirtualServer, VSKey
+from kproxy.host.commands import in_netns, run_command
 from kproxy.model.objects import Snapshot
 
 log = logging.getLogger("kproxy.ipvs")

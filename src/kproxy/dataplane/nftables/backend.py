@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kproxy.dataplane.iptables.backend import Runner, in_netns, parse_version, run_command
 from kproxy.dataplane.nftables.netlink import FAMILIES, NetlinkError, NftNetlink, delete_chain
 from kproxy.dataplane.nftables.steps import netlink_ops, op_line, split
 from kproxy.dataplane.nftables.transaction import Transaction
+from kproxy.host.commands import Runner, in_netns, parse_version, run_command
 
 log = logging.getLogger(__name__)
 # nf_tables address families as nft names them (NFPROTO_*)

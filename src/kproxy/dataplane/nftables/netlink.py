@@ -19,16 +19,16 @@ to the namespace it was created in).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import ipaddress
 import os
 import socket
 import struct
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
+
+from kproxy.host.netns import socket_in_netns
 
 NETLINK_NETFILTER: Final = 12
 NFNL_SUBSYS_NFTABLES: Final = 10
@@ -41,7 +41,6 @@ NLM_F_ACK: Final = 0x4
 NLM_F_DUMP: Final = 0x300
 NLM_F_CREATE: Final = 0x400
 NLA_F_NESTED: Final = 0x8000
-CLONE_NEWNET: Final = 0x40000000
 
 NFT_MSG_NEWTABLE: Final = 0
 NFT_MSG_GETTABLE: Final = 1
@@ -200,42 +199,9 @@ def set_elements(
     )
 
 
-_libc = None
-
-
-def _setns(fd: int) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
 def open_socket(netns: str | None) -> socket.socket:
     """A NETLINK_NETFILTER socket in `netns` (None: the current namespace)."""
-    if netns is None:
-        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    result: list[socket.socket | BaseException] = []
-
-    def make() -> None:
-        try:
-            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
-            try:
-                _setns(fd)
-            finally:
-                os.close(fd)
-            result.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER))
-        except BaseException as exc:  # reported to the caller below
-            result.append(exc)
-
-    thread = threading.Thread(target=make, name=f"kproxy-netns-{netns}")
-    thread.start()
-    thread.join()
-    got = result[0]
-    if isinstance(got, BaseException):
-        raise got
-    return got
+    return socket_in_netns(netns, socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
 
 
 class NftNetlink:

@@ -46,7 +46,6 @@ from typing import Protocol
 from kproxy.dataplane.base import DataplaneUnavailable, OwnedObject, SyncError, SyncResult
 from kproxy.dataplane.custody import Custody
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
-from kproxy.dataplane.iptables.backend import Runner, in_netns, run_command
 from kproxy.dataplane.nftables import names as n
 from kproxy.dataplane.nftables.backend import NftBackend, NftError, TableRef
 from kproxy.dataplane.nftables.plan import (
@@ -64,6 +63,7 @@ from kproxy.dataplane.nftables.transaction import (
     stale_chain_deletions,
     write_sync,
 )
+from kproxy.host.commands import Runner, in_netns, run_command
 from kproxy.model.objects import Snapshot
 
 log = logging.getLogger("kproxy.nftables")

@@ -31,9 +31,7 @@ from kproxy.dataplane.iptables.backend import (
     IptablesBackend,
     IptablesError,
     RestoreError,
-    in_netns,
     rule_spec,
-    run_command,
 )
 from kproxy.dataplane.userspace import fdlimit, render
 from kproxy.dataplane.userspace.control import (
@@ -58,6 +56,7 @@ from kproxy.dataplane.userspace.render import (
     render_plan,
 )
 from kproxy.defaults import DEFAULT_STATE_DIR
+from kproxy.host.commands import in_netns, run_command
 from kproxy.model.objects import Snapshot
 
 log = logging.getLogger("kproxy.userspace")

@@ -42,6 +42,7 @@ from kproxy.dataplane.userspace.control import (
 from kproxy.dataplane.userspace.render import Listener
 from kproxy.dataplane.userspace.tcp import HAVE_SPLICE, TcpEngine
 from kproxy.dataplane.userspace.udp import UdpEngine, handoff_peers
+from kproxy.host.netns import NETNS_DIR
 
 log = logging.getLogger("kproxy.userspace.worker")
 
@@ -52,7 +53,6 @@ DRAIN_GRACE = 2.0
 BACKLOG = 4096
 SO_ATTACH_REUSEPORT_CBPF = 51
 SO_DETACH_REUSEPORT_BPF = 52
-NETNS_DIR = Path("/run/netns")
 
 
 # --- ClientIP affinity across workers ---------------------------------------------------------

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from kproxy.dataplane.iptables.backend import in_netns
+from kproxy.host.commands import in_netns
 
 TIMEOUT = 1.0
 

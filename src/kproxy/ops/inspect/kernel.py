@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from kproxy.conntrack import Conntrack, ConntrackEntry, ConntrackError, parse_entries
-from kproxy.dataplane.iptables.backend import Runner, in_netns, run_command
+from kproxy.host.commands import Runner, in_netns, run_command
 
 NFT_TABLE: Final = ("ip", "kube-proxy")
 _RECENT_NAME: Final = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")

@@ -26,6 +26,7 @@ from kproxy.dataplane.userspace.render import (
     PORTALS_HOST,
     Listener,
 )
+from kproxy.host.netns import NETNS_DIR
 from kproxy.ops.inspect.iptables_rules import (
     Rule,
     Table,
@@ -54,7 +55,6 @@ from kproxy.ops.inspect.model import (
 
 NAT_CHAINS = (PORTALS_CONTAINER, PORTALS_HOST, NODEPORT_CONTAINER, NODEPORT_HOST)
 FILTER_CHAINS = (PORTALS_CONTAINER, PORTALS_HOST)
-NETNS_DIR = Path("/run/netns")
 REPORT_TIMEOUT = 2.0  # a busy node may take a while to schedule every worker
 COUNTER_NOTE = (
     "Pkts/Bytes: nat rule counters of the redirect rules (iptables-save -c); nat sees only "

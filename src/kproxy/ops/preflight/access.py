@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kproxy.dataplane.iptables.backend import in_netns
+from kproxy.host.commands import in_netns
 
 Runner = Callable[[Sequence[str], str | None], "subprocess.CompletedProcess[str]"]
 

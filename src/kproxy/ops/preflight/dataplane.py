@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kproxy.dataplane.base import OwnedObject
-from kproxy.dataplane.iptables.backend import Runner
 from kproxy.dataplane.nftables.backend import TableRef
+from kproxy.host.commands import Runner
 from kproxy.ops.preflight.backup import planes_of
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, info, warn

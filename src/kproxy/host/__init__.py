@@ -1,0 +1,1 @@
+"""Host plumbing every mode shares: running host commands, entering network namespaces."""
