@@ -28,11 +28,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from kproxy.cluster.annotations import CURRENT_MODE, MODE_ANNOTATION, OBSERVED, SWITCH_STATE
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
-from kproxy.sources.agent import CURRENT_MODE, OBSERVED, SWITCH_STATE
-from kproxy.sources.cluster import MODE_ANNOTATION
 from kproxy.sources.kubeclient import ApiError, ClientSettings, connect, json_request
 
 pytestmark = pytest.mark.kernel

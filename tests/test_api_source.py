@@ -17,20 +17,21 @@ from typing import Any
 
 import pytest
 
-from kproxy.config import ProxyConfig, apply_flags, load_config
-from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore, write_kubeconfig
-from kproxy.model.snapshot import ChangeTracker
-from kproxy.sources.agent import (
+from kproxy.cluster.agent import ClusterAgent
+from kproxy.cluster.annotations import (
     CURRENT_MODE,
     LAST_ERROR,
+    MODE_ANNOTATION,
     OBSERVED,
     SWITCH_STATE,
     SWITCH_TARGET,
-    ClusterAgent,
 )
+from kproxy.config import ProxyConfig, apply_flags, load_config
+from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore, write_kubeconfig
+from kproxy.model.snapshot import ChangeTracker
 from kproxy.sources.api import LABEL_SELECTOR, ApiSource, ClientConfigError, ClientSettings, Timing
 from kproxy.sources.base import ObjectEvent, ObjectKey
-from kproxy.sources.cluster import MODE_ANNOTATION, choose_source, node_ips_of, start_facts
+from kproxy.sources.cluster import choose_source, node_ips_of, start_facts
 from kproxy.sources.kubeclient import connect
 from tests.objects import endpoint, endpoint_slice, service
 
@@ -686,6 +687,10 @@ class FakeDaemon:
         self.last_switch: dict[str, object] | None = None
         self.fail_with = fail_with
         self.switches: list[str] = []
+
+    @property
+    def mode(self) -> str:
+        return self.dataplane.mode
 
     def switch(self, to: str, timeout: float = 60.0) -> dict[str, object]:
         self.switches.append(to)

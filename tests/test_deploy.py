@@ -17,11 +17,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kproxy.cluster.agent import ClusterAgent
+from kproxy.cluster.annotations import MODE_ANNOTATION
 from kproxy.config import load_config
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore, Request
-from kproxy.sources.agent import ClusterAgent
 from kproxy.sources.api import ApiSource, ClientSettings
-from kproxy.sources.cluster import MODE_ANNOTATION
 from tests.test_api_source import FAST, FakeDaemon, Sink, node, wait_until
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

@@ -356,9 +356,9 @@ def run(
             node_name=_node_name(config),
             config_path=config_path,
             admin_address=admin_tcp,
+            follow_node_from=objects.follow_node_from,
         )
         daemon.start()
-        objects.started(daemon)
     except (UserError, DataplaneUnavailable, AdminBindError) as err:
         # DataplaneUnavailable: the mode cannot run on this node (e.g. ipvs without ip_vs).
         raise fail(str(err)) from None
@@ -371,7 +371,6 @@ def run(
         while not stop.wait(1.0):
             pass
     finally:
-        objects.stop()
         daemon.stop()
         log.info("stopped; the rules stay in place")
 

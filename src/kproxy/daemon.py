@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kproxy.config import ConfigError, ProxyConfig, load_config, rule_options
 from kproxy.conntrack import cleanup_stale_udp
@@ -29,6 +30,9 @@ from kproxy.switch import ModeSwitcher
 from kproxy.sync import ProxyLoop
 from kproxy.sysctl import set_sysctl
 
+if TYPE_CHECKING:  # the agent brings the API client: imported only when it runs
+    from kproxy.cluster.agent import ClusterAgent
+
 log = logging.getLogger("kproxy.daemon")
 
 
@@ -44,10 +48,16 @@ class Daemon:
         state_dir: Path | None = None,
         config_path: Path | None = None,
         admin_address: tuple[str, int] | None = None,
+        follow_node_from: str | None = None,
     ) -> None:
-        """admin_address: also serve the admin requests on this loopback TCP address."""
+        """admin_address: also serve the admin requests on this loopback TCP address.
+        follow_node_from: with the API source, follow the mode the Node declares and report
+        on the Node (cluster/agent.py); the value is the configured mode, where a removed
+        declaration leads back."""
         self.config = config
         self.config_watch = ConfigWatch(config_path, self) if config_path else None
+        self.follow_node_from = follow_node_from
+        self.agent: ClusterAgent | None = None
         self.node_name = node_name
         if isinstance(source, str | Path):
             if not Path(source).exists():
@@ -138,6 +148,18 @@ class Daemon:
         self.first_sync_done.set()
         if self.config_watch is not None:
             self.config_watch.start()
+        if self.follow_node_from is not None:
+            self._start_agent(self.follow_node_from)
+
+    def _start_agent(self, configured_mode: str) -> None:
+        """After the first sync: the agent reports the serving mode and may switch it."""
+        from kproxy.cluster.agent import ClusterAgent
+        from kproxy.sources.api import ApiSource
+
+        if not isinstance(self.source, ApiSource):
+            raise TypeError("following the Node's declared mode needs the API source")
+        self.agent = ClusterAgent(self, self.source, configured_mode=configured_mode)
+        self.agent.start()
 
     def _clean_udp(self, ips: dict[tuple[str, int], set[str]], ports: dict[int, set[str]]) -> int:
         # In userspace mode the workers move UDP sessions off removed endpoints themselves;
@@ -145,6 +167,10 @@ class Daemon:
         if self.dataplane.mode == "userspace":
             return 0
         return cleanup_stale_udp(ips, ports)
+
+    @property
+    def mode(self) -> str:
+        return self.dataplane.mode
 
     def switch(
         self, to: str, timeout: float = 60.0, before: Path | None = None
@@ -241,6 +267,8 @@ class Daemon:
             log.warning("could not write status: %s", err)
 
     def stop(self) -> None:
+        if self.agent is not None:  # first: it may be about to ask for a switch
+            self.agent.stop()
         if self.config_watch is not None:
             self.config_watch.stop()
         self.admin.stop()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kproxy.cluster.annotations import MODE_ANNOTATION, declared_mode
 from kproxy.config import ProxyConfig
 from kproxy.sources.clientsettings import ClientConfigError, ClientSettings, in_cluster_available
 
@@ -23,9 +24,6 @@ if TYPE_CHECKING:  # the API source loads the client library: only when it is us
     from kproxy.sources.api import ApiSource
 
 log = logging.getLogger("kproxy.sources.cluster")
-
-# The node annotation that declares this node's proxy mode (see README "Cluster-declared mode").
-MODE_ANNOTATION = "proxy.kproxy.io/mode"
 
 _UNSPECIFIED = ("", "0.0.0.0", "::")
 
@@ -86,20 +84,6 @@ def node_ips_of(node: dict[str, Any] | None) -> tuple[str, ...]:
     return tuple(out)
 
 
-def annotations_of(node: dict[str, Any] | None) -> dict[str, str]:
-    meta = node.get("metadata") if isinstance(node, dict) else None
-    ann = meta.get("annotations") if isinstance(meta, dict) else None
-    return {str(k): str(v) for k, v in ann.items()} if isinstance(ann, dict) else {}
-
-
-def declared_mode(node: dict[str, Any] | None) -> str | None:
-    """The mode the node annotation asks for, "" if it is set but empty, None if absent."""
-    ann = annotations_of(node)
-    if MODE_ANNOTATION not in ann:
-        return None
-    return ann[MODE_ANNOTATION].strip().lower()
-
-
 @dataclass(frozen=True)
 class StartFacts:
     config: ProxyConfig  # with the declared mode, when the Node declares a usable one
@@ -144,26 +128,18 @@ def start_facts(
 
 @dataclass
 class Prepared:
-    """What `kproxy run` builds its Daemon from, plus the hooks of the cluster agent."""
+    """What `kproxy run` builds its Daemon from."""
 
     source: Path | ApiSource
     config: ProxyConfig
     node_ips: tuple[str, ...]
     facts: StartFacts | None = None
-    agent: Any = None  # kproxy.sources.agent.ClusterAgent once started
 
-    def started(self, daemon: Any) -> None:
-        """After Daemon.start(): follow the declared mode and report status on the Node."""
-        if isinstance(self.source, Path) or self.facts is None:
-            return
-        from kproxy.sources.agent import ClusterAgent
-
-        self.agent = ClusterAgent(daemon, self.source, configured_mode=self.facts.configured_mode)
-        self.agent.start()
-
-    def stop(self) -> None:
-        if self.agent is not None:
-            self.agent.stop()
+    @property
+    def follow_node_from(self) -> str | None:
+        """With the API source: the configured mode, where a removed declaration leads back
+        (the daemon then follows the Node's declared mode); None with the file source."""
+        return None if self.facts is None else self.facts.configured_mode
 
 
 def prepare_source(

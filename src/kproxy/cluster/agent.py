@@ -22,25 +22,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
+from kproxy.cluster.annotations import (
+    CURRENT_MODE,
+    LAST_ERROR,
+    MODE_ANNOTATION,
+    OBSERVED,
+    SWITCH_STATE,
+    SWITCH_TARGET,
+    annotations_of,
+    declared_mode,
+)
 from kproxy.dataplane.base import VALID_MODES
 from kproxy.sources.api import ApiSource
-from kproxy.sources.cluster import MODE_ANNOTATION, annotations_of, declared_mode
 from kproxy.sources.kubeclient import ApiError, json_request
 from kproxy.sources.reflector import TRANSIENT, Backoff, describe_error
 
-log = logging.getLogger("kproxy.sources.agent")
-
-PREFIX = "proxy.kproxy.io/"
-CURRENT_MODE = PREFIX + "current-mode"
-OBSERVED = PREFIX + "mode-observed"
-SWITCH_STATE = PREFIX + "switch-state"
-SWITCH_TARGET = PREFIX + "switch-target"
-LAST_ERROR = PREFIX + "last-error"
-STATUS_ANNOTATIONS = (CURRENT_MODE, OBSERVED, SWITCH_STATE, SWITCH_TARGET, LAST_ERROR)
+log = logging.getLogger("kproxy.cluster.agent")
 
 # Events about Nodes live in "default" and name the Node by its name as UID, as kube-proxy's
 # and the kubelet's do, so `kubectl describe node` lists them.
@@ -53,8 +54,15 @@ _TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
 _NOTHING_HANDLED = object()
 
 
-def _mode_of(daemon: Any) -> str:
-    return str(daemon.dataplane.mode)
+class SwitchingProxy(Protocol):
+    """What the agent needs of the running proxy (kproxy.daemon.Daemon)."""
+
+    last_switch: dict[str, object] | None
+
+    @property
+    def mode(self) -> str: ...
+
+    def switch(self, to: str, timeout: float = ...) -> dict[str, object]: ...
 
 
 class ClusterAgent:
@@ -62,7 +70,7 @@ class ClusterAgent:
 
     def __init__(
         self,
-        daemon: Any,
+        daemon: SwitchingProxy,
         source: ApiSource,
         *,
         configured_mode: str,
@@ -137,7 +145,7 @@ class ClusterAgent:
     def _declared(self, want: str | None) -> None:
         self.observed = want or ""
         target = want or self.configured_mode
-        current = _mode_of(self.daemon)
+        current = self.daemon.mode
         if target not in VALID_MODES:
             self._failed(
                 target,
@@ -173,7 +181,7 @@ class ClusterAgent:
 
     def _failed(self, target: str, error: str, from_mode: str = "") -> None:
         self.state, self.target, self.error = "failed", target, error
-        current = from_mode or _mode_of(self.daemon)
+        current = from_mode or self.daemon.mode
         log.error(
             "Node %s: switch to %s failed, %s keeps serving: %s",
             self.node_name,
@@ -197,7 +205,7 @@ class ClusterAgent:
 
     def status(self) -> dict[str, str | None]:
         return {
-            CURRENT_MODE: _mode_of(self.daemon),
+            CURRENT_MODE: self.daemon.mode,
             OBSERVED: self.observed,
             SWITCH_STATE: self.state,
             SWITCH_TARGET: self.target or None,

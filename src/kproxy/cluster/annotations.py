@@ -1,0 +1,34 @@
+"""The Node annotations through which a mode is declared for a node and its progress reported.
+
+The node's kproxy reads the declared mode and writes the rest (cluster/agent.py); the
+source reads the declared mode once before the dataplane is built (sources/cluster.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PREFIX = "proxy.kproxy.io/"
+# Declared by a person or a rollout: the mode this node should run.
+MODE_ANNOTATION = PREFIX + "mode"
+# Written by the node's kproxy.
+CURRENT_MODE = PREFIX + "current-mode"
+OBSERVED = PREFIX + "mode-observed"
+SWITCH_STATE = PREFIX + "switch-state"
+SWITCH_TARGET = PREFIX + "switch-target"
+LAST_ERROR = PREFIX + "last-error"
+STATUS_ANNOTATIONS = (CURRENT_MODE, OBSERVED, SWITCH_STATE, SWITCH_TARGET, LAST_ERROR)
+
+
+def annotations_of(node: dict[str, Any] | None) -> dict[str, str]:
+    meta = node.get("metadata") if isinstance(node, dict) else None
+    ann = meta.get("annotations") if isinstance(meta, dict) else None
+    return {str(k): str(v) for k, v in ann.items()} if isinstance(ann, dict) else {}
+
+
+def declared_mode(node: dict[str, Any] | None) -> str | None:
+    """The mode the node annotation asks for, "" if it is set but empty, None if absent."""
+    ann = annotations_of(node)
+    if MODE_ANNOTATION not in ann:
+        return None
+    return ann[MODE_ANNOTATION].strip().lower()
