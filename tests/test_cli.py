@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "demo"
-GOLDEN = Path(__file__).parent / "golden" / "demo-render.txt"
+GOLDEN = Path(__file__).parent / "golden" / "iptables-demo-render.txt"
 FACTS = [
     "--node-ip",
     "10.100.0.1",

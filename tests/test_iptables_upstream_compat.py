@@ -1,6 +1,6 @@
 """Rule-compatibility tests of the iptables renderer against upstream kube-proxy.
 
-The expected data lives in tests/golden/upstream/<case>.yaml: the objects (Service,
+The expected data lives in tests/golden/iptables/<case>.yaml: the objects (Service,
 EndpointSlice, Node as plain dicts), the NodeFacts / RuleOptions that reproduce upstream's
 unit-test fixture (NewFakeProxier), the expected iptables-restore input of a full sync, and
 where upstream checks behaviour by tracing packets, the same packet-flow expectations.
@@ -40,7 +40,7 @@ import yaml
 
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 
-GOLDEN = Path(__file__).parent / "golden" / "upstream"
+GOLDEN = Path(__file__).parent / "golden" / "iptables"
 COMMIT = "aojea/kubernetes@4e7ccb27627e47cd5ddc447fbf22a41ea44ff5ba"
 
 # Chains whose inter-service order follows upstream's map iteration.
