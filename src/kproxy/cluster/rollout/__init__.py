@@ -1,0 +1,1 @@
+"""Cluster rollout of a proxy-mode switch: the ProxyRollout object, its planner, its controller."""
