@@ -18,6 +18,15 @@ SWITCH_STATE = PREFIX + "switch-state"
 SWITCH_TARGET = PREFIX + "switch-target"
 LAST_ERROR = PREFIX + "last-error"
 STATUS_ANNOTATIONS = (CURRENT_MODE, OBSERVED, SWITCH_STATE, SWITCH_TARGET, LAST_ERROR)
+# Written by a rollout controller on the nodes it moves.
+ROLLOUT = PREFIX + "rollout"  # "NAME/STAGE": the rollout and stage the node belongs to
+PREVIOUS_MODE = PREFIX + "previous-mode"  # where a rollback of the node goes
+PREFLIGHT_REQUEST = PREFIX + "preflight-request"  # {"id": ..., "mode": ...}
+LAST_ROLLOUT = PREFIX + "last-rollout"  # "NAME/STAGE", left when the rollout finished
+ROLLOUT_ANNOTATIONS = (ROLLOUT, PREVIOUS_MODE, PREFLIGHT_REQUEST, LAST_ROLLOUT)
+# Written by the node's kproxy for a rollout.
+PREFLIGHT_RESULT = PREFIX + "preflight-result"  # {"id", "ok", "blocks", "warnings"}
+VERIFY = PREFIX + "verify"  # {"at", "ok", "syncP99", "failures", "healthz", "summary"}
 
 
 def annotations_of(node: dict[str, Any] | None) -> dict[str, str]:
