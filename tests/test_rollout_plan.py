@@ -20,7 +20,7 @@ def node(
     if mode is not None:
         meta["annotations"] = {CURRENT_MODE: mode}
     status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
-    return {"metadata": meta, "status": status}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": meta, "status": status}
 
 
 def spec(**fields: Any) -> Any:

@@ -36,6 +36,7 @@ from kproxy.cluster.annotations import (
     annotations_of,
     declared_mode,
 )
+from kproxy.cluster.events import EVENT_NAMESPACE, event_body, node_ref
 from kproxy.dataplane.base import VALID_MODES
 from kproxy.sources.api import ApiSource
 from kproxy.sources.kubeclient import ApiError, json_request
@@ -43,9 +44,6 @@ from kproxy.sources.reflector import TRANSIENT, Backoff, describe_error
 
 log = logging.getLogger("kproxy.cluster.agent")
 
-# Events about Nodes live in "default" and name the Node by its name as UID, as kube-proxy's
-# and the kubelet's do, so `kubectl describe node` lists them.
-EVENT_NAMESPACE = "default"
 COMPONENT = "kproxy"
 
 _TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
@@ -213,31 +211,15 @@ class ClusterAgent:
         }
 
     def _event(self, type_: str, reason: str, message: str) -> None:
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self._events.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Event",
-                "metadata": {
-                    "name": f"{self.node_name}.{time.time_ns():x}",
-                    "namespace": EVENT_NAMESPACE,
-                },
-                "involvedObject": {
-                    "apiVersion": "v1",
-                    "kind": "Node",
-                    "name": self.node_name,
-                    "uid": self.node_name,
-                },
-                "type": type_,
-                "reason": reason,
-                "message": message,
-                "source": {"component": COMPONENT, "host": self.node_name},
-                "reportingComponent": COMPONENT,
-                "reportingInstance": self.node_name,
-                "firstTimestamp": now,
-                "lastTimestamp": now,
-                "count": 1,
-            }
+            event_body(
+                node_ref(self.node_name),
+                type_,
+                reason,
+                message,
+                component=COMPONENT,
+                instance=self.node_name,
+            )
         )
 
     def _flush(self) -> None:

@@ -1,13 +1,14 @@
 """A small Kubernetes API server for tests and the lab: the real list/watch protocol, in memory.
 
-It serves Services, EndpointSlices, Nodes and Events the way kube-apiserver does for the
-calls kproxy and the end-to-end test make: lists with metadata.resourceVersion and paging
-(limit/continue), watches as a chunked stream of JSON lines from a resourceVersion with
-bookmarks and timeoutSeconds, label and field selectors (an object leaving a watch's
-selector is sent as DELETED, one entering it as ADDED), 410 Gone for a version older than the
-kept history (an ERROR event with a Status, as the real server sends), create/update/delete,
-merge patches of Nodes, and Events. For faults it can drop every connection mid-stream,
-stop and restart its listener (an outage), slow down every answer and fail chosen requests.
+It serves Services, EndpointSlices, Nodes, Events, Leases and kproxy's ProxyRollouts (with
+their status subresource) the way kube-apiserver does for the calls kproxy and the tests
+make: lists with metadata.resourceVersion and paging (limit/continue), watches as a chunked
+stream of JSON lines from a resourceVersion with bookmarks and timeoutSeconds, label and
+field selectors (an object leaving a watch's selector is sent as DELETED, one entering it as
+ADDED), 410 Gone for a version older than the kept history (an ERROR event with a Status, as
+the real server sends), create/update (409 Conflict for a stale resourceVersion)/delete,
+merge patches, and Events. For faults it can drop every connection mid-stream, stop and
+restart its listener (an outage), slow down every answer and fail chosen requests.
 
 State lives in a KubeApiStore; any number of KubeApiServer front ends serve one store, each
 on 127.0.0.1 of a chosen network namespace (a lab node's loopback, or the caller's), so a
@@ -46,6 +47,9 @@ class Kind:
     api_version: str
     group_path: str  # "/api/v1" or "/apis/GROUP/VERSION"
     namespaced: bool
+    # Has a status subresource: writes to the object keep its status, writes to /status
+    # change only the status (as for custom resources that declare one).
+    status_subresource: bool = False
 
 
 KINDS = {
@@ -61,13 +65,23 @@ KINDS = {
         ),
         Kind("nodes", "Node", "v1", "/api/v1", False),
         Kind("events", "Event", "v1", "/api/v1", True),
+        Kind(
+            "proxyrollouts",
+            "ProxyRollout",
+            "proxy.kproxy.io/v1alpha1",
+            "/apis/proxy.kproxy.io/v1alpha1",
+            False,
+            status_subresource=True,
+        ),
+        Kind("leases", "Lease", "coordination.k8s.io/v1", "/apis/coordination.k8s.io/v1", True),
     )
 }
 BY_KIND = {k.kind: k for k in KINDS.values()}
 
 _PATH = re.compile(
-    r"^(?P<group>/api/v1|/apis/[a-z0-9.-]+/v1)"
-    r"(?:/namespaces/(?P<ns>[a-z0-9-]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[A-Za-z0-9.-]+))?$"
+    r"^(?P<group>/api/v1|/apis/[a-z0-9.-]+/v1[a-z0-9]*)"
+    r"(?:/namespaces/(?P<ns>[a-z0-9-]+))?/(?P<plural>[a-z]+)"
+    r"(?:/(?P<name>[A-Za-z0-9.-]+)(?P<status>/status)?)?$"
 )
 
 
@@ -215,14 +229,26 @@ class KubeApiStore:
 
     # -- writing (also used directly by tests) --
 
-    def apply(self, obj: Obj) -> Obj:
-        """Create the object or replace it (kind, metadata.name, metadata.namespace)."""
+    def apply(self, obj: Obj, *, subresource: str = "") -> Obj:
+        """Create the object or replace it (kind, metadata.name, metadata.namespace). A
+        metadata.resourceVersion in `obj` must be the current one (409 Conflict otherwise),
+        as for an update of the real server."""
         k = BY_KIND[obj["kind"]]
         meta = obj.get("metadata") or {}
         ns = (meta.get("namespace") or "default") if k.namespaced else ""
         with self._cond:
-            exists = (k.plural, ns, meta["name"]) in self._objects
-        return self._write(k, ns, meta["name"], obj, "MODIFIED" if exists else "ADDED")
+            current = self._objects.get((k.plural, ns, meta["name"]))
+            wanted = meta.get("resourceVersion")
+            if current is not None and wanted and wanted != current["metadata"]["resourceVersion"]:
+                raise ApiStatus(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {k.plural} "{meta["name"]}": the object '
+                    "has been modified; please apply your changes to the latest version",
+                )
+            if current is not None:
+                obj = _with_subresource(k, current, obj, subresource)
+        return self._write(k, ns, meta["name"], obj, "MODIFIED" if current else "ADDED")
 
     def create(self, obj: Obj) -> Obj:
         k = BY_KIND[obj["kind"]]
@@ -262,14 +288,16 @@ class KubeApiStore:
         k = BY_KIND[kind]
         return self._write(k, namespace if k.namespaced else "", name, None, "DELETED")
 
-    def patch(self, kind: str, namespace: str, name: str, patch: Obj) -> Obj:
+    def patch(
+        self, kind: str, namespace: str, name: str, patch: Obj, *, subresource: str = ""
+    ) -> Obj:
         k = BY_KIND[kind]
         ns = namespace if k.namespaced else ""
         with self._cond:
             current = self._objects.get((k.plural, ns, name))
             if current is None:
                 raise ApiStatus(404, "NotFound", f'{k.plural} "{name}" not found')
-            new = merge_patch(current, patch)
+            new = _with_subresource(k, current, merge_patch(current, patch), subresource)
         return self._write(k, ns, name, new, "MODIFIED")
 
     def _write(self, k: Kind, ns: str, name: str, obj: Obj | None, type_: str) -> Obj:
@@ -296,6 +324,10 @@ class KubeApiStore:
                 meta.pop("namespace", None)
             meta["resourceVersion"] = str(self._rv)
             meta["uid"] = (old or {}).get("metadata", {}).get("uid") or str(uuid.uuid4())
+            if k.status_subresource:  # as for custom resources: spec changes count
+                before = (old or {}).get("metadata", {}).get("generation", 0)
+                changed = old is None or old.get("spec") != new.get("spec")
+                meta["generation"] = before + 1 if changed else before
             meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             self._objects[key] = new
             self._record(_Change(self._rv, k.plural, type_, old, new))
@@ -470,6 +502,28 @@ class KubeApiStore:
                         "metadata": {"resourceVersion": str(sent)},
                     },
                 }
+
+
+def _with_subresource(k: Kind, current: Obj, new: Obj, subresource: str) -> Obj:
+    """What a write leaves of `new`: with a status subresource, a write to the object keeps
+    the current status and a write to /status changes nothing but the status."""
+    if not k.status_subresource:
+        if subresource:
+            raise ApiStatus(404, "NotFound", f"{k.plural} have no {subresource} subresource")
+        return new
+    if subresource == "status":
+        kept = copy.deepcopy(current)
+        if "status" in new:
+            kept["status"] = new["status"]
+        else:
+            kept.pop("status", None)
+        return kept
+    new = dict(new)
+    if "status" in current:
+        new["status"] = current["status"]
+    else:
+        new.pop("status", None)
+    return new
 
 
 def _gone(rv: int, oldest: int) -> Obj:
@@ -685,14 +739,21 @@ class _Handler(BaseHTTPRequestHandler):
             if m["group"] != k.group_path:
                 raise ApiStatus(404, "NotFound", f"the server could not find {url.path}")
             ns, name = m["ns"] or "", m["name"]
-            self._dispatch(method, k, ns, name, query, body)
+            self._dispatch(method, k, ns, name, query, body, "status" if m["status"] else "")
         except ApiStatus as err:
             self._send(err.code, err.status())
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 
     def _dispatch(
-        self, method: str, k: Kind, ns: str, name: str | None, query: dict[str, str], body: Any
+        self,
+        method: str,
+        k: Kind,
+        ns: str,
+        name: str | None,
+        query: dict[str, str],
+        body: Any,
+        subresource: str = "",
     ) -> None:
         store = self.server.api.store
         if name is None:
@@ -718,7 +779,7 @@ class _Handler(BaseHTTPRequestHandler):
                 obj = self._object(k, ns, body)
                 if store.get(k.kind, ns_for, name) is None:
                     raise ApiStatus(404, "NotFound", f'{k.plural} "{name}" not found')
-                self._send(200, store.apply(obj))
+                self._send(200, store.apply(obj, subresource=subresource))
                 return
             if method == "PATCH":
                 ctype = self.headers.get("Content-Type", "")
@@ -729,7 +790,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raise ApiStatus(415, "UnsupportedMediaType", f"unsupported patch type {ctype}")
                 if not isinstance(body, dict):
                     raise ApiStatus(400, "BadRequest", "a merge patch must be an object")
-                self._send(200, store.patch(k.kind, ns_for, name, body))
+                self._send(200, store.patch(k.kind, ns_for, name, body, subresource=subresource))
                 return
             if method == "DELETE":
                 self._send(200, store.delete(k.kind, ns_for, name))
