@@ -215,6 +215,8 @@ UNUSED_BY_THE_DAEMON = (
     "kproxy.ops.doctor.run",
     "kproxy.ops.preflight.run",
     "kproxy.ops.inspect",
+    "kproxy.cluster.rollout.spec",
+    "kproxy.cluster.rollout.controller",
 )
 
 

@@ -23,6 +23,7 @@ if sys.argv[1:2] == ["run"]:
 import typer
 
 from kproxy import __version__
+from kproxy.cluster.rollout.cli import rollout_app
 from kproxy.config import ConfigError, ProxyConfig, apply_flags, load_config
 from kproxy.dataplane.base import DataplaneUnavailable, check_mode_available
 from kproxy.dataplane.facts import NodeFacts
@@ -39,6 +40,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(lab_app, name="lab", help="Build and tear down the network-namespace lab.")
+app.add_typer(rollout_app, name="rollout")
 
 log = logging.getLogger("kproxy")
 
