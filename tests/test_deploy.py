@@ -192,3 +192,11 @@ def test_rbac_allows_exactly_what_kproxy_does(kproxy_requests: list[Request]) ->
     used = {(*_resource(r), _verb(r)) for r in kproxy_requests}
     assert used <= granted, f"kproxy needs more than RBAC grants: {sorted(used - granted)}"
     assert granted == used, f"RBAC grants what kproxy never uses: {sorted(granted - used)}"
+
+
+def test_the_admission_policy_allows_exactly_the_keys_the_agent_writes() -> None:
+    from kproxy.cluster.annotations import AGENT_ANNOTATIONS
+
+    policy = by_kind("ValidatingAdmissionPolicy")
+    (ours,) = [v["expression"] for v in policy["spec"]["variables"] if v["name"] == "ours"]
+    assert sorted(yaml.safe_load(ours)) == sorted(AGENT_ANNOTATIONS)

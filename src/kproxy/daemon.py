@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kproxy.config import ConfigError, ProxyConfig, load_config, rule_options
 from kproxy.conntrack import cleanup_stale_udp
@@ -32,6 +32,7 @@ from kproxy.sysctl import set_sysctl
 
 if TYPE_CHECKING:  # the agent brings the API client: imported only when it runs
     from kproxy.cluster.agent import ClusterAgent
+    from kproxy.ops.verify import Collector
 
 log = logging.getLogger("kproxy.daemon")
 
@@ -198,6 +199,45 @@ class Daemon:
         self.write_status()
         self.loop.runner.run()  # changes that arrived during the switch
         return self.last_switch
+
+    def preflight_report(self, target: str) -> dict[str, object]:
+        """This node's preflight of a switch to `target`, for a rollout (cluster/duties.py):
+        the same checks as `kproxy preflight --to`, the blocking ones and warnings as lines."""
+        from kproxy.ops.preflight.findings import Severity
+        from kproxy.ops.preflight.run import run_preflight
+
+        result = run_preflight(
+            target,
+            status={"ok": True, **self.status()},
+            state_dir=self.state_dir or DEFAULT_STATE_DIR,
+            config=self.config,
+        )
+
+        def line(f: Any) -> str:
+            return f"{f.id}: {f.found}"[:300]
+
+        return {
+            "ok": result.safe,
+            "blocks": [line(f) for f in result.blocking],
+            "warnings": [line(f) for f in result.findings if f.severity is Severity.WARN][:10],
+        }
+
+    def verify_collector(self) -> Collector:
+        """`kproxy verify`'s sampler, fed from this process (no socket, no HTTP)."""
+        from prometheus_client import generate_latest
+
+        from kproxy.ops.verify import Collector
+
+        def status() -> dict[str, object]:
+            return {"ok": True, **self.status(), "healthy": self.health.report()[0]}
+
+        return Collector(
+            self.state_dir or DEFAULT_STATE_DIR,
+            metrics_address="127.0.0.1:0",  # never fetched: `fetch` reads the registry
+            fetch=lambda _url: generate_latest(self.metrics.registry).decode(),
+            admin=status,
+            count_services=lambda _mode: (None, "not read during a rollout"),
+        )
 
     def _switch_request(self, request: dict[str, object]) -> dict[str, object]:
         to = request.get("to")

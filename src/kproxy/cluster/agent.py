@@ -11,6 +11,13 @@ Event per switch, so progress can be watched from the API alone:
   proxy.kproxy.io/switch-target  the mode the last switch went to
   proxy.kproxy.io/last-error     why the last switch failed (absent when it did not)
 
+During a rollout (cluster/rollout/) the agent also answers the controller's preflight
+requests and publishes verify readings while the Node carries the rollout's annotation
+(cluster/duties.py):
+
+  proxy.kproxy.io/preflight-result  the answer to proxy.kproxy.io/preflight-request
+  proxy.kproxy.io/verify            the latest verify reading
+
 The annotation is edge-triggered: kproxy acts when its value changes (removing it leads back
 to the configured mode); a failed switch is not retried until the value changes again, so a
 mode that cannot work never causes repeated disruption. Switches made another way (the config
@@ -31,11 +38,16 @@ from kproxy.cluster.annotations import (
     LAST_ERROR,
     MODE_ANNOTATION,
     OBSERVED,
+    PREFLIGHT_REQUEST,
+    PREFLIGHT_RESULT,
+    ROLLOUT,
     SWITCH_STATE,
     SWITCH_TARGET,
+    VERIFY,
     annotations_of,
     declared_mode,
 )
+from kproxy.cluster.duties import RolloutDuties, RolloutNode
 from kproxy.cluster.events import EVENT_NAMESPACE, event_body, node_ref
 from kproxy.dataplane.base import VALID_MODES
 from kproxy.sources.api import ApiSource
@@ -52,7 +64,7 @@ _TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
 _NOTHING_HANDLED = object()
 
 
-class SwitchingProxy(Protocol):
+class SwitchingProxy(RolloutNode, Protocol):
     """What the agent needs of the running proxy (kproxy.daemon.Daemon)."""
 
     last_switch: dict[str, object] | None
@@ -84,6 +96,8 @@ class ClusterAgent:
         self.state = "idle"
         self.target = ""
         self.error = ""
+        self.duties = RolloutDuties(daemon)
+        self.rollout_status: dict[str, str | None] = {}  # the duties' annotations
         self.observed = ""  # the declared value last acted on
         # Not None: None means "annotation absent", and a daemon that started in a declared
         # mode must still act when the annotation is gone before the agent's first step (it
@@ -138,6 +152,7 @@ class ClusterAgent:
             self._handled = want
             self._declared(want)
         self._notice_other_switches()
+        self._rollout_duties(node)
         self._flush()
 
     def _declared(self, want: str | None) -> None:
@@ -193,6 +208,19 @@ class ClusterAgent:
             f"Switch from {current} to {target} failed; {current} keeps serving: {error}",
         )
 
+    def _rollout_duties(self, node: dict[str, Any] | None) -> None:
+        """Answer a rollout's preflight request; publish verify readings while watched."""
+        ann = annotations_of(node)
+        answer = self.duties.preflight(ann.get(PREFLIGHT_REQUEST))
+        if answer is not None:
+            self.rollout_status[PREFLIGHT_RESULT] = answer
+        watched = ROLLOUT in ann
+        reading = self.duties.verify(watched)
+        if reading is not None:
+            self.rollout_status[VERIFY] = reading
+        elif not watched:
+            self.rollout_status[VERIFY] = None
+
     def _notice_other_switches(self) -> None:
         last = self.daemon.last_switch
         if last is not None and last is not self._seen_switch:
@@ -208,6 +236,7 @@ class ClusterAgent:
             SWITCH_STATE: self.state,
             SWITCH_TARGET: self.target or None,
             LAST_ERROR: self.error[:1000] or None,  # None removes it (merge patch)
+            **self.rollout_status,
         }
 
     def _event(self, type_: str, reason: str, message: str) -> None:

@@ -27,6 +27,9 @@ ROLLOUT_ANNOTATIONS = (ROLLOUT, PREVIOUS_MODE, PREFLIGHT_REQUEST, LAST_ROLLOUT)
 # Written by the node's kproxy for a rollout.
 PREFLIGHT_RESULT = PREFIX + "preflight-result"  # {"id", "ok", "blocks", "warnings"}
 VERIFY = PREFIX + "verify"  # {"at", "ok", "syncP99", "failures", "healthz", "summary"}
+# Every key a node's kproxy writes on its Node (deploy/optional's admission policy allows
+# exactly these).
+AGENT_ANNOTATIONS = (*STATUS_ANNOTATIONS, PREFLIGHT_RESULT, VERIFY)
 
 
 def annotations_of(node: dict[str, Any] | None) -> dict[str, str]:
