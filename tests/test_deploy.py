@@ -37,9 +37,15 @@ def documents(path: Path) -> list[dict[str, Any]]:
 MANIFESTS = sorted(p for p in DEPLOY.rglob("*.yaml") if p.name != "kustomization.yaml")
 
 
-def by_kind(kind: str) -> dict[str, Any]:
-    found = [d for p in MANIFESTS for d in documents(p) if d["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind} in deploy/"
+def by_kind(kind: str, name: str = "kproxy") -> dict[str, Any]:
+    """The one manifest of `kind` named `name` (the node proxy's pieces are "kproxy")."""
+    found = [
+        d
+        for p in MANIFESTS
+        for d in documents(p)
+        if d["kind"] == kind and d["metadata"]["name"] == name
+    ]
+    assert len(found) == 1, f"expected one {kind} {name} in deploy/"
     return found[0]
 
 
@@ -152,7 +158,7 @@ def _resource(r: Request) -> tuple[str, str]:
     rest = parts[2:] if parts[0] == "api" else parts[3:]
     if rest and rest[0] == "namespaces" and len(rest) > 2:
         rest = rest[2:]
-    return group, rest[0]
+    return group, "/".join(rest[:1] + rest[2:3])  # "proxyrollouts/status" for a subresource
 
 
 @pytest.fixture
@@ -179,24 +185,63 @@ def kproxy_requests(tmp_path: Path) -> Iterator[list[Request]]:
         yield list(store.requests)
 
 
-def test_rbac_allows_exactly_what_kproxy_does(kproxy_requests: list[Request]) -> None:
-    role = by_kind("ClusterRole")
+def granted_by(*roles: dict[str, Any]) -> set[tuple[str, str, str]]:
     granted = {
         (group, resource, verb)
+        for role in roles
         for rule in role["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
     assert not any("*" in g or "*" in r or "*" in v for g, r, v in granted)
-    used = {(*_resource(r), _verb(r)) for r in kproxy_requests}
-    assert used <= granted, f"kproxy needs more than RBAC grants: {sorted(used - granted)}"
-    assert granted == used, f"RBAC grants what kproxy never uses: {sorted(granted - used)}"
+    return granted
+
+
+def assert_exactly_used(granted: set[tuple[str, str, str]], requests: list[Request]) -> None:
+    used = {(*_resource(r), _verb(r)) for r in requests}
+    assert used <= granted, f"it needs more than RBAC grants: {sorted(used - granted)}"
+    assert granted == used, f"RBAC grants what it never uses: {sorted(granted - used)}"
+
+
+def test_rbac_allows_exactly_what_kproxy_does(kproxy_requests: list[Request]) -> None:
+    assert_exactly_used(granted_by(by_kind("ClusterRole")), kproxy_requests)
+
+
+def test_rbac_allows_exactly_what_the_rollout_controller_does(tmp_path: Path) -> None:
+    from kproxy.cluster.rollout import status as st
+    from tests.test_rollout_controller import Agents, phase, rollout, running, wait_for
+
+    store = KubeApiStore()
+    with KubeApiServer(store) as server:
+        settings = ClientSettings(kubeconfig=str(server.kubeconfig(tmp_path / "kc")))
+        with Agents(store, ["n1", "n2"]):
+            store.create(rollout())
+            with running(settings, lease_namespace="kube-system"):
+                wait_for(lambda: phase(store) == st.SUCCEEDED)
+    lease_role = by_kind("Role", "kproxy-rollout-lease")
+    assert lease_role["metadata"]["namespace"] == "kube-system"
+    granted = granted_by(by_kind("ClusterRole", "kproxy-rollout"), lease_role)
+    assert_exactly_used(granted, list(store.requests))
+
+
+def test_the_rollout_controller_runs_as_its_service_account() -> None:
+    deployment = by_kind("Deployment", "kproxy-rollout")
+    pod = deployment["spec"]["template"]["spec"]
+    assert (
+        pod["serviceAccountName"] == by_kind("ServiceAccount", "kproxy-rollout")["metadata"]["name"]
+    )
+    assert pod["containers"][0]["command"][:3] == ["kproxy", "rollout", "run"]
+    for binding in (
+        by_kind("ClusterRoleBinding", "kproxy-rollout"),
+        by_kind("RoleBinding", "kproxy-rollout-lease"),
+    ):
+        assert binding["subjects"][0]["name"] == "kproxy-rollout"
 
 
 def test_the_admission_policy_allows_exactly_the_keys_the_agent_writes() -> None:
     from kproxy.cluster.annotations import AGENT_ANNOTATIONS
 
-    policy = by_kind("ValidatingAdmissionPolicy")
+    policy = by_kind("ValidatingAdmissionPolicy", "kproxy-node-status-only")
     (ours,) = [v["expression"] for v in policy["spec"]["variables"] if v["name"] == "ours"]
     assert sorted(yaml.safe_load(ours)) == sorted(AGENT_ANNOTATIONS)

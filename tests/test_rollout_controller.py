@@ -89,7 +89,8 @@ def running(settings: ClientSettings, **kwargs: Any) -> Iterator[RolloutControll
     """The controller on a loop of its own thread; stopped (Lease released) at the end, or
     abandoned like a killed process with kwargs kill=True."""
     kill = kwargs.pop("kill", False)
-    controller = RolloutController(settings, lease_namespace="default", interval=0.05, **kwargs)
+    kwargs.setdefault("lease_namespace", "default")
+    controller = RolloutController(settings, interval=0.05, **kwargs)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     task: list[asyncio.Task[None]] = []
