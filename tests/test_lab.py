@@ -259,3 +259,24 @@ def test_zz_root_namespace_unchanged(root_snapshot: set[str], lab_module: Lab) -
     # Runs last in this module, with lab_module (and all its veths) still up.
     assert lab_netns(lab_module.id)
     assert root_links() == root_snapshot
+
+
+def test_a_lab_of_several_nodes_routes_pods_across_nodes() -> None:
+    """Four nodes on br-ext's segment, pods spread over them, each node routing the others'
+    pod CIDRs: a client, a node and a pod reach pods on every node, over TCP and UDP."""
+    before = root_links()
+    lab = Lab(pods=4, clients=1, nodes=4)
+    with lab:
+        assert [n.name for n in lab.nodes] == ["node1", "node2", "node3", "node4"]
+        assert lab_netns(lab.id) == sorted(lab.namespaces) and len(lab.namespaces) == 9
+        assert {lab.pod_nodes[p].name for p in lab.pod_ips} == {n.name for n in lab.nodes}
+        assert lab.pod_ips["pod2"] == "10.244.1.2" and lab.pod_nodes["pod2"].ip == "10.100.0.242"
+        for ns in (lab.client_ns[0], lab.nodes[3].ns, lab.pod_ns_of("pod1")):
+            agent = lab.agent(ns)
+            for pod, ip in lab.pod_ips.items():
+                for proto in ("tcp", "udp"):
+                    res = agent.request(proto, ip, 8080, timeout=2)
+                    assert res.ok and res.pod == pod, (ns, pod, proto, res)
+        assert Lab.load(lab.id).nodes == lab.nodes
+        assert root_links() == before
+    assert lab_netns(lab.id) == []

@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kproxy.lab.topology import Lab
+from kproxy.lab.topology import Lab, LabNode
 
 
 class ProxyProcess:
-    """`kproxy run` inside the lab's node namespace, with its own state dir and log file."""
+    """`kproxy run` inside a lab node's namespace (the first node unless `node` is given),
+    with its own state dir and log file."""
 
     def __init__(
         self,
@@ -26,8 +27,10 @@ class ProxyProcess:
         config: Path | None = None,
         args: Sequence[str] = (),
         workdir: Path,
+        node: LabNode | None = None,
     ) -> None:
         self.lab = lab
+        self.node = node or lab.nodes[0]
         self.source = source
         self.config = config
         self.args = list(args)
@@ -42,16 +45,14 @@ class ProxyProcess:
             argv += ["--source", str(self.source)]
         if self.config is not None:
             argv += ["--config", str(self.config)]
-        argv += ["--state-dir", str(self.state_dir), "--node-ip", self.lab.node_ip, *self.args]
+        argv += ["--state-dir", str(self.state_dir), "--node-ip", self.node.ip, *self.args]
         return argv
 
     def start(self, *, wait: bool = True, timeout: float = 20.0) -> ProxyProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         previous = self.status().get("syncs", 0) if self.status_path.exists() else 0
         log = self.log_path.open("a")
-        self.proc = self.lab.spawn(
-            self.lab.node_ns, self.argv(), stdout=log, stderr=subprocess.STDOUT
-        )
+        self.proc = self.lab.spawn(self.node.ns, self.argv(), stdout=log, stderr=subprocess.STDOUT)
         log.close()
         if wait:
             self.wait_synced(

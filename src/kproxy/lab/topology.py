@@ -20,8 +20,21 @@ c2 10.100.0.3 ─┴─ br-ext 10.100.0.1 [node]┼─ veth-p2 ── p2 eth0 10
 - The node's default route points at 10.100.0.254, which does not exist; it only has to
   exist so that node-originated ClusterIP traffic gets past the route lookup (G4).
 
-Every veth is created inside the node namespace with its peer moved straight into the
-other namespace, so nothing is ever created in the host's root namespace.
+With nodes=N (N > 1) the lab is a small cluster: node 1 keeps the layout above and br-ext,
+and nodes 2..N hang off br-ext too (node i at 10.100.0.(240+i), its eth0 on the bridge), each
+with its own pod CIDR 10.244.(i-1).0/24 and routes to the other nodes' pod CIDRs via their
+node IPs. Pods are spread over the nodes in turn; every node's veths, proxy ARP and pod
+routes are built as node 1's.
+
+```
+c1 ─┐              ┌─ pods of node 1 (10.244.0.x)
+    ├─ br-ext [node]┤
+n2 ─┤ 10.100.0.242  └─ ...          [node2] ── pods of node 2 (10.244.1.x)
+n3 ─┘ 10.100.0.243                  [node3] ── pods of node 3 (10.244.2.x)
+```
+
+Every veth is created inside a node namespace with its peer moved straight into the other
+namespace, so nothing is ever created in the host's root namespace.
 """
 
 from __future__ import annotations
@@ -72,6 +85,8 @@ CLUSTER_CIDR = "10.244.0.0/16"
 SILENT_IP = "10.244.0.254"
 MAX_PODS = 250
 MAX_CLIENTS = 250
+MAX_NODES = 9
+MAX_CLIENTS_MULTI_NODE = 200  # node i > 1 sits at 10.100.0.(240+i)
 
 READY_TIMEOUT = 20.0
 TERM_GRACE = 2.0
@@ -123,6 +138,17 @@ def _proc_starttime(pid: int) -> int | None:
     if fields[0] == "Z":
         return None
     return int(fields[19])
+
+
+@dataclass(frozen=True)
+class LabNode:
+    """One node of the lab: its namespace, IP on br-ext's segment and pod CIDR."""
+
+    name: str  # "node1", "node2", ...: its Node object's name in a cluster lab
+    ns: str
+    ip: str
+    pod_cidr: str
+    uplink: str  # the node's interface on br-ext's segment
 
 
 @dataclass(frozen=True)
@@ -188,6 +214,7 @@ class Lab:
         no_time_wait: bool = True,
         *,
         lab_id: str | None = None,
+        nodes: int = 1,
     ) -> None:
         if not (prefix.isascii() and prefix.isalnum() and 0 < len(prefix) <= 6):
             raise ValueError("prefix must be 1-6 ASCII letters/digits")
@@ -200,6 +227,12 @@ class Lab:
             raise ValueError(f"need 1..{MAX_PODS} pods and 0..{MAX_CLIENTS} clients")
         if len({s.name for s in specs}) != len(specs):
             raise ValueError("pod names must be unique")
+        if not 1 <= nodes <= MAX_NODES:
+            raise ValueError(f"need 1..{MAX_NODES} nodes")
+        if nodes > 1 and clients > MAX_CLIENTS_MULTI_NODE:
+            raise ValueError(
+                f"a lab of several nodes has room for {MAX_CLIENTS_MULTI_NODE} clients"
+            )
         self.prefix = prefix
         self.python = python
         self.no_time_wait = no_time_wait
@@ -212,7 +245,26 @@ class Lab:
         self.node_ip = NODE_IP
         self.node_gateway = NODE_GATEWAY
         self.client_ips = [f"10.100.0.{1 + i}" for i in range(1, clients + 1)]
-        self.pod_ips = {spec.name: f"10.244.0.{1 + i}" for i, spec in enumerate(specs, 1)}
+        self.nodes = [
+            LabNode("node1", self.node_ns, NODE_IP, POD_CIDR, "br-ext"),
+            *(
+                LabNode(
+                    f"node{i}",
+                    f"{self.id}-node{i}",
+                    f"10.100.0.{240 + i}",
+                    f"10.244.{i - 1}.0/24",
+                    "eth0",
+                )
+                for i in range(2, nodes + 1)
+            ),
+        ]
+        # Pods in turn over the nodes; the k-th pod of a node at .(1+k) of its pod CIDR.
+        self.pod_nodes = {spec.name: self.nodes[i % nodes] for i, spec in enumerate(specs)}
+        self.pod_ips = {
+            spec.name: f"{self.pod_nodes[spec.name].pod_cidr.rsplit('.', 1)[0]}.{1 + k}"
+            for i, spec in enumerate(specs)
+            for k in [1 + i // nodes]
+        }
         self.pod_cidr = POD_CIDR
         self.cluster_cidr = CLUSTER_CIDR
         self.silent_ip = SILENT_IP
@@ -240,7 +292,13 @@ class Lab:
 
     @property
     def namespaces(self) -> list[str]:
-        return [self.node_ns, *self.client_ns, *self.pod_ns]
+        return [*(n.ns for n in self.nodes), *self.client_ns, *self.pod_ns]
+
+    def node(self, name: str) -> LabNode:
+        for n in self.nodes:
+            if name in (n.name, n.ns):
+                return n
+        raise KeyError(name)
 
     @property
     def state_file(self) -> Path:
@@ -453,13 +511,12 @@ class Lab:
         self._wait_all([self._ip_batch(f"netns add {ns}" for ns in self.namespaces)])
 
     def _configure(self) -> None:
-        node = self.node_ns
         # Before any interface exists, so every interface inherits rp_filter=0 from
         # "default" (new namespaces copy the host's all/default values).
         self._wait_all(
             [
                 self._sysctl(
-                    node,
+                    node.ns,
                     {
                         "net.ipv4.ip_forward": 1,
                         "net.ipv4.conf.all.rp_filter": 0,
@@ -469,9 +526,11 @@ class Lab:
                         "net.ipv4.icmp_ratelimit": 0,
                     },
                 )
+                for node in self.nodes
             ]
         )
 
+        hub = self.nodes[0]
         lines = [
             "link set lo up",
             "link add br-ext type bridge",
@@ -483,26 +542,48 @@ class Lab:
                 f"link add veth-c{i} type veth peer name eth0 netns {ns}",
                 f"link set veth-c{i} master br-ext up",
             ]
-        for i, (ns, ip) in enumerate(zip(self.pod_ns, self.pod_ips.values(), strict=True), 1):
+        for i, node in enumerate(self.nodes[1:], 2):
             lines += [
+                f"link add veth-n{i} type veth peer name {node.uplink} netns {node.ns}",
+                f"link set veth-n{i} master br-ext up",
+            ]
+        per_node: dict[str, list[str]] = {node.ns: [] for node in self.nodes}
+        per_node[hub.ns] = lines
+        for node in self.nodes[1:]:
+            per_node[node.ns] += [
+                "link set lo up",
+                f"addr add {node.ip}/{EXTERNAL_PREFIX_LEN} dev {node.uplink}",
+                f"link set {node.uplink} up",
+            ]
+        for i, (spec, ns) in enumerate(zip(self.pods, self.pod_ns, strict=True), 1):
+            node, ip = self.pod_nodes[spec.name], self.pod_ips[spec.name]
+            per_node[node.ns] += [
                 f"link add veth-p{i} type veth peer name eth0 netns {ns}",
                 f"link set veth-p{i} up",
-                f"route add {ip}/32 dev veth-p{i} src {NODE_IP}",
+                f"route add {ip}/32 dev veth-p{i} src {node.ip}",
             ]
-        lines += [
-            f"route add default via {NODE_GATEWAY} dev br-ext",
-            f"route add blackhole {POD_CIDR}",
-        ]
-        self._wait_all([self._ip_batch(lines, node)])
+        for node in self.nodes:
+            per_node[node.ns] += [
+                f"route add default via {NODE_GATEWAY} dev {node.uplink}",
+                f"route add blackhole {node.pod_cidr}",
+                *(
+                    f"route add {other.pod_cidr} via {other.ip} dev {node.uplink}"
+                    for other in self.nodes
+                    if other is not node
+                ),
+            ]
+        self._wait_all([self._ip_batch(per_node[hub.ns], hub.ns)])
+        self._wait_all([self._ip_batch(per_node[node.ns], node.ns) for node in self.nodes[1:]])
 
         batches: list[subprocess.Popen[str]] = []
-        veth_settings: dict[str, str | int] = {}
-        for i in range(1, len(self.pod_ns) + 1):
+        veth_settings: dict[str, dict[str, str | int]] = {node.ns: {} for node in self.nodes}
+        for i, spec in enumerate(self.pods, 1):
             # proxy_delay=0: the default answers proxy ARP only after a random delay of up
             # to 0.8 s, which would stall every pod's first packet.
-            veth_settings[f"net.ipv4.conf.veth-p{i}.proxy_arp"] = 1
-            veth_settings[f"net.ipv4.neigh.veth-p{i}.proxy_delay"] = 0
-        batches.append(self._sysctl(node, veth_settings))
+            settings = veth_settings[self.pod_nodes[spec.name].ns]
+            settings[f"net.ipv4.conf.veth-p{i}.proxy_arp"] = 1
+            settings[f"net.ipv4.neigh.veth-p{i}.proxy_delay"] = 0
+        batches += [self._sysctl(ns, s) for ns, s in veth_settings.items() if s]
         for ns, ip in zip(self.pod_ns, self.pod_ips.values(), strict=True):
             batches.append(
                 self._ip_batch(
@@ -644,6 +725,9 @@ class Lab:
             "prefix": self.prefix,
             "python": self.python,
             "node": {"ns": self.node_ns, "ip": self.node_ip, "gateway": self.node_gateway},
+            "nodes": [
+                {"name": n.name, "ns": n.ns, "ip": n.ip, "pod_cidr": n.pod_cidr} for n in self.nodes
+            ],
             "clients": [
                 {"ns": ns, "ip": ip} for ns, ip in zip(self.client_ns, self.client_ips, strict=True)
             ],
@@ -688,6 +772,7 @@ class Lab:
             prefix=state["prefix"],
             python=state.get("python", sys.executable),
             lab_id=state["id"],
+            nodes=len(state.get("nodes") or [1]),
         )
         lab._procs = [
             _Proc(p["pid"], p["starttime"], p["ns"], p["argv"], p["role"])
