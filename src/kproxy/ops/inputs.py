@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class OpsInputs:
+    """Which node and which proxy an ops command looks at, and with which objects."""
+
     state_dir: Path = DEFAULT_STATE_DIR
     config_path: Path | None = None
     source: Path | None = None
