@@ -65,8 +65,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         stages.append(row)
 
     mark("interpreter")
-    # What `kproxy run` imports (cli pulls in typer/rich; the daemon the rest).
-    import kproxy.cli  # noqa: F401
+    # What `kproxy run` imports (cli pulls in typer/rich, proxy_cli is run's package; the
+    # daemon the rest).
+    import kproxy.cli
+    import kproxy.proxy_cli  # noqa: F401
     from bench import workload
     from kproxy.config import load_config, rule_options
     from kproxy.daemon import Daemon  # noqa: F401

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import uuid
@@ -31,6 +33,7 @@ def kproxy(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         check=False,
         timeout=60,
+        env={**os.environ, "COLUMNS": "120"},  # rich wraps help at the terminal's width
     )
 
 
@@ -193,11 +196,55 @@ def test_invalid_object_is_skipped_with_a_warning_naming_the_field(tmp_path: Pat
     assert '"x/good has no endpoints"' in proc.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["render"], ["cleanup"], ["lab"], ["demo"]])
+@pytest.mark.parametrize(
+    "command", [[], ["run"], ["render"], ["cleanup"], ["lab"], ["demo"], ["rollout"]]
+)
 def test_help_explains(command: list[str]) -> None:
     proc = kproxy(*command, "--help")
     assert proc.returncode == 0
     assert "Usage" in proc.stdout and len(proc.stdout) > 200
+
+
+# `kproxy --help` before the commands moved into their packages, in its order (and rollout).
+COMMANDS = (
+    "run", "render", "cleanup", "status", "switch", "preflight", "doctor", "list", "trace",
+    "verify", "snapshot", "diff", "demo", "version", "rollout", "lab",
+)  # fmt: skip
+
+
+def test_help_lists_every_command_in_order() -> None:
+    proc = kproxy("--help")
+    assert proc.returncode == 0
+    listed = re.findall(r"^│ ([a-z]+) ", proc.stdout, re.MULTILINE)
+    assert tuple(listed) == COMMANDS
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        ("run", "--iptables-backend"),
+        ("render", "--random-fully"),
+        ("cleanup", "--dry-run"),
+        ("status", "--admin-token-file"),
+        ("switch", "--force"),
+        ("preflight", "--backup"),
+        ("doctor", "--probe"),
+        ("list", "--stats"),
+        ("trace", "--from-node"),
+        ("verify", "--max-rss"),
+    ],
+)
+def test_each_packages_command_has_its_help(command: str, option: str) -> None:
+    proc = kproxy(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert f"kproxy.cli {command} [OPTIONS]" in proc.stdout
+    assert option in proc.stdout
+
+
+def test_a_mistyped_command_suggests_one_not_yet_loaded() -> None:
+    proc = kproxy("statuss")
+    assert proc.returncode == 2
+    assert "No such command 'statuss'. Did you mean 'status'?" in proc.stderr
 
 
 def test_run_rejects_unknown_and_bad_kube_proxy_flags() -> None:
@@ -215,9 +262,9 @@ UNUSED_BY_THE_DAEMON = (
     "kproxy.ops.doctor.run",
     "kproxy.ops.preflight.run",
     "kproxy.ops.inspect",
-    "kproxy.cluster.rollout.spec",
-    "kproxy.cluster.rollout.controller",
 )
+# The packages of the other commands: `kproxy run` does not even register them.
+OTHER_COMMANDS = ("kproxy.ops", "kproxy.lab", "kproxy.cluster.rollout")
 
 
 def test_kproxy_run_does_not_import_what_only_other_commands_use() -> None:
@@ -242,3 +289,20 @@ def test_kproxy_run_does_not_import_what_only_other_commands_use() -> None:
         timeout=60,
     )
     assert "rich" in proc.stdout.split()
+
+
+def test_kproxy_run_loads_its_command_and_no_other_commands_package() -> None:
+    """What `kproxy run` has loaded once click has its command (its --help, here)."""
+    probe = (
+        "import atexit, sys; sys.argv = ['kproxy', 'run', '--help']; "
+        "atexit.register(lambda: print('MODULES', *(m for m, mod in sys.modules.items() "
+        "if mod is not None))); import kproxy.cli; kproxy.cli.main()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--iptables-backend" in proc.stdout
+    loaded = proc.stdout.split("MODULES", 1)[1].split()
+    assert "kproxy.proxy_cli" in loaded
+    assert [m for m in loaded if m.startswith(UNUSED_BY_THE_DAEMON + OTHER_COMMANDS)] == []

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-# The lab's modules are imported by the commands that use them: every `kproxy` process,
-# the daemon included, imports this command table, and the lab is none of its business.
+# The lab's modules are imported by the commands that use them, not by this command table,
+# which `kproxy --help` imports too.
 if TYPE_CHECKING:
     from kproxy.lab.topology import Lab
 
@@ -26,6 +26,10 @@ lab_app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(lab_app, name="lab", help="Build and tear down the network-namespace lab.")
 
 
 def _require_support() -> None:

@@ -716,7 +716,11 @@ def run(
     return evaluate(samples, thresholds, tck)
 
 
-# --- the command (cli.py registers it) -----------------------------------------------------------
+# --- the command ---------------------------------------------------------------------------------
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify")(verify_command)
 
 
 def verify_command(
@@ -763,7 +767,9 @@ def verify_command(
     the proxy's snapshot, RSS, CPU, restore/sync failures and sync progress of the running
     kproxy. Exit code 0 when healthy, 1 naming each breach, 2 for bad arguments. Run it in
     the proxy's network namespace."""
+    from kproxy.cli_common import fail
     from kproxy.config import parse_duration
+    from kproxy.ops.inputs import ops_inputs
 
     try:
         duration = parse_duration(for_) if for_ is not None else None
@@ -782,15 +788,14 @@ def verify_command(
         if min_sync_rate <= 0:
             raise ValueError("--min-syncs-per-minute must be positive")
     except ValueError as err:
-        typer.secho(f"kproxy: error: {err}", err=True, fg=typer.colors.RED)
-        raise typer.Exit(2) from None
-    collector = Collector(state_dir, metrics_address=metrics_address)
+        raise fail(str(err)) from None
+    inputs = ops_inputs(state_dir=state_dir)
+    collector = Collector(inputs.state_dir, metrics_address=metrics_address)
     first = collector.sample()
     if first.status is not None:
         why = collector.check_namespace(int(first.status["pid"]))
         if why is not None:
-            typer.secho(f"kproxy: error: {why}", err=True, fg=typer.colors.RED)
-            raise typer.Exit(2)
+            raise fail(why)
 
     def progress(line: str) -> None:
         typer.echo(line, err=True)

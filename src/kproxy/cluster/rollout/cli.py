@@ -23,6 +23,11 @@ rollout_app = typer.Typer(
     "automatic rollback. The verbs act through the API server only.",
 )
 
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(rollout_app, name="rollout")
+
+
 T = TypeVar("T")
 EXIT_FAILED = 1
 EXIT_USAGE = 2

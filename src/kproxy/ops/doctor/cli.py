@@ -1,5 +1,5 @@
-"""`kproxy doctor` (cli.py only registers it). Inputs not given come from the running
-kproxy of --state-dir, as for preflight: its status, namespace, --config and --source."""
+"""`kproxy doctor`. Inputs not given come from the running kproxy of --state-dir, as for
+preflight (ops/inputs.py): its status, namespace, --config and --source."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ from typing import Annotated
 
 import typer
 
+from kproxy.cli_common import UsageError, fail
 from kproxy.defaults import DEFAULT_STATE_DIR
-from kproxy.ops.preflight.cli import UsageError, check_netns, fail_usage, resolve_inputs
+from kproxy.ops.inputs import ops_inputs, with_running_proxy
+from kproxy.ops.preflight.findings import EXIT_USAGE
+
+
+def register(app: typer.Typer) -> None:
+    app.command("doctor")(doctor_command)
 
 
 def doctor_command(
@@ -62,26 +68,32 @@ def doctor_command(
     2 usage error.
     """
     from kproxy.ops.doctor.run import run_doctor
-    from kproxy.ops.preflight.access import NodeAccess
 
     try:
         if service is not None and service.count("/") != 1:
             raise UsageError(f"--service {service!r}: give NAMESPACE/NAME, e.g. default/web")
-        check_netns(netns)
-        inputs = resolve_inputs(state_dir, config_path, source, netns)
+        inputs = with_running_proxy(
+            ops_inputs(
+                state_dir=state_dir,
+                config_path=config_path,
+                source=source,
+                netns=netns,
+                hostname=hostname,
+            )
+        )
     except UsageError as err:
-        raise fail_usage(str(err)) from None
+        raise fail(str(err), EXIT_USAGE) from None
     result = run_doctor(
         service,
-        access=NodeAccess(netns=inputs.netns),
+        access=inputs.access(),
         config_path=inputs.config_path,
         source=inputs.source,
-        state_dir=state_dir,
+        state_dir=inputs.state_dir,
         status=inputs.status,
-        node_name=hostname,
+        node_name=inputs.node_name,
         probe=probe,
     )
-    result.notes = inputs.notes + result.notes
+    result.notes = [*inputs.notes, *result.notes]
     if as_json:
         typer.echo(result.to_json())
     else:

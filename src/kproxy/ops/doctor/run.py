@@ -11,7 +11,6 @@ turns them off).
 from __future__ import annotations
 
 import random
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from kproxy.model.objects import ServicePort
 from kproxy.ops.doctor.knowledge import lookup
 from kproxy.ops.doctor.layers import LAYERS, WALK, ServiceView
 from kproxy.ops.doctor.probe import connect_all
+from kproxy.ops.inputs import node_name_of
 from kproxy.ops.preflight.access import NodeAccess
 from kproxy.ops.preflight.context import Context
 from kproxy.ops.preflight.findings import (
@@ -205,7 +205,7 @@ def run_doctor(
         config_path=config_path,
         source=source,
         status=status,
-        node_name=(node_name or (status or {}).get("node") or socket.gethostname()).lower(),
+        node_name=node_name_of(node_name, status),
         state_dir=state_dir,
         config_override=config,
         objects_override=objects,

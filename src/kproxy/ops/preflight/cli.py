@@ -1,40 +1,34 @@
-"""`kproxy preflight` and the preflight gate of `kproxy switch` (cli.py only registers them).
+"""`kproxy preflight` and the preflight gate of `kproxy switch`.
 
 Inputs not given on the command line come from the running kproxy of --state-dir: its mode
-and node from the admin socket, its --config and --source from its command line. Without a
-running kproxy the current mode is read from the kernel.
+and node from the admin socket, its --config and --source from its command line
+(ops/inputs.py). Without a running kproxy the current mode is read from the kernel.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
+from kproxy.cli_common import UsageError, fail
 from kproxy.defaults import DEFAULT_STATE_DIR
+from kproxy.ops.inputs import OpsInputs, ops_inputs, with_running_proxy
 from kproxy.ops.preflight.findings import EXIT_USAGE
-
-if TYPE_CHECKING:
-    from kproxy.server.admin import AdminTarget
 
 log = logging.getLogger("kproxy.preflight")
 
 
-class UsageError(Exception):
-    """Bad arguments: one line on stderr, exit code 2."""
-
-
-def fail_usage(message: str) -> typer.Exit:
-    typer.secho(f"kproxy: error: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(EXIT_USAGE)
+def register(app: typer.Typer) -> None:
+    app.command("preflight")(preflight_command)
 
 
 def check_mode_name(to: str) -> str:
-    """The target mode, or UsageError with config.py's own message (and its suggestion)."""
+    """The target mode, or UsageError with kproxy.config's own message (and its suggestion)."""
     from kproxy.config import MODES, ProxyConfig, validate_config
 
     if to in MODES:
@@ -45,65 +39,6 @@ def check_mode_name(to: str) -> str:
         f"--to {to!r} is not a proxy mode (choose from {', '.join(MODES)})"
         + (f"; {hint}" if hint else "")
     )
-
-
-def running_status(state_dir: Path, admin: AdminTarget | None = None) -> dict[str, Any] | None:
-    """The running kproxy's status over its admin endpoint (None: nothing answers)."""
-    from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
-
-    try:
-        st = call(admin or state_dir / SOCKET_NAME, {"op": "status"}, timeout=10)
-    except (AdminUnavailable, OSError, ValueError):
-        return None
-    return st if st.get("ok", True) else None
-
-
-def check_netns(netns: str | None) -> None:
-    if netns is not None and not Path("/run/netns", netns).exists():
-        raise UsageError(f"--netns: no network namespace {netns!r} (see `ip netns list`)")
-
-
-@dataclass
-class Inputs:
-    config_path: Path | None
-    source: Path | None
-    status: dict[str, Any] | None
-    notes: list[str] = field(default_factory=list)
-    netns: str | None = None  # the running kproxy's network namespace, when not ours
-
-
-def resolve_inputs(
-    state_dir: Path,
-    config_path: Path | None,
-    source: Path | None,
-    netns: str | None = None,
-    admin: AdminTarget | None = None,
-) -> Inputs:
-    status = running_status(state_dir, admin)
-    notes = []
-    if status is not None and isinstance(status.get("pid"), int):
-        from kproxy.ops.preflight.run import ForeignNetns, daemon_inputs, daemon_netns
-
-        if netns is None:
-            try:
-                netns = daemon_netns(status["pid"])
-            except ForeignNetns as err:
-                raise UsageError(str(err)) from None
-            if netns is not None:
-                notes.append(f"checked in network namespace {netns}: the running kproxy's")
-        found = daemon_inputs(status["pid"])
-        if config_path is None and "config" in found:
-            config_path = found["config"]
-            notes.append(f"--config {config_path}: the running kproxy's")
-        if source is None and "source" in found:
-            source = found["source"]
-            notes.append(f"--source {source}: the running kproxy's")
-    elif status is None:
-        notes.append(f"no kproxy answers at {state_dir}: the current mode is read from the kernel")
-    for path, flag in ((config_path, "--config"), (source, "--source")):
-        if path is not None and not path.exists():
-            raise UsageError(f"{flag}: {path} does not exist")
-    return Inputs(config_path, source, status, notes, netns)
 
 
 def preflight_command(
@@ -156,29 +91,35 @@ def preflight_command(
     Exit codes: 0 safe (nothing blocks; warnings and info do not), 1 blocked (at least one
     finding of severity block), 2 usage error (unknown mode, missing file).
     """
-    from kproxy.ops.preflight.access import NodeAccess
     from kproxy.ops.preflight.run import run_preflight
 
     try:
         target = check_mode_name(to)
         if current is not None:
             check_mode_name(current)
-        check_netns(netns)
-        inputs = resolve_inputs(state_dir, config_path, source, netns)
+        inputs = with_running_proxy(
+            ops_inputs(
+                state_dir=state_dir,
+                config_path=config_path,
+                source=source,
+                netns=netns,
+                hostname=hostname,
+            )
+        )
     except UsageError as err:
-        raise fail_usage(str(err)) from None
+        raise fail(str(err), EXIT_USAGE) from None
     result = run_preflight(
         target,
-        access=NodeAccess(netns=inputs.netns),
+        access=inputs.access(),
         config_path=inputs.config_path,
         source=inputs.source,
-        state_dir=state_dir,
+        state_dir=inputs.state_dir,
         status=inputs.status,
         current_mode=current,
-        node_name=hostname,
+        node_name=inputs.node_name,
         backup_path=backup,
     )
-    result.notes = inputs.notes + result.notes
+    result.notes = [*inputs.notes, *result.notes]
     if as_json:
         typer.echo(result.to_json())
     else:
@@ -235,21 +176,13 @@ class SwitchGate:
         return report
 
 
-def switch_gate(
-    to: str,
-    *,
-    state_dir: Path,
-    force: bool,
-    config_path: Path | None = None,
-    source: Path | None = None,
-    admin: AdminTarget | None = None,
-) -> SwitchGate | None:
+def switch_gate(to: str, inputs: OpsInputs, *, force: bool) -> SwitchGate | None:
     """Run preflight for `kproxy switch --to`. None when there is nothing to check here:
     no kproxy answers (the switch call reports that), or --to previous without a previous
     mode (the proxy answers that). Raises UsageError for bad arguments."""
     from kproxy.ops.preflight.run import run_preflight
 
-    inputs = resolve_inputs(state_dir, config_path, source, admin=admin)
+    inputs = with_running_proxy(inputs)
     status = inputs.status
     if status is None:
         return None
@@ -257,17 +190,16 @@ def switch_gate(
     if not target:
         return None
     target = check_mode_name(target)
-    from kproxy.ops.preflight.access import NodeAccess
-
     result = run_preflight(
         target,
-        access=NodeAccess(netns=inputs.netns),
+        access=inputs.access(),
         config_path=inputs.config_path,
         source=inputs.source,
-        state_dir=state_dir,
+        state_dir=inputs.state_dir,
         status=status,
+        node_name=inputs.node_name,
     )
-    result.notes = inputs.notes + result.notes
+    result.notes = [*inputs.notes, *result.notes]
     gate = SwitchGate(target, result, force)
     if not result.safe and force:
         ids = ", ".join(f.id for f in result.blocking)
@@ -278,7 +210,7 @@ def switch_gate(
             err=True,
             fg=typer.colors.YELLOW,
         )
-        _record_forced(state_dir, gate)
+        _record_forced(inputs.state_dir, gate)
     return gate
 
 

@@ -1,6 +1,6 @@
 """The configuration the target mode will run with (the given file, mode replaced).
 
-Validation is config.py's own (the same messages and "did you mean" hints as `kproxy run`);
+Validation is kproxy.config's own (the same messages and "did you mean" hints as `kproxy run`);
 the checks here are the mistakes that validate fine and still hurt: a file whose mode
 differs from the switch (the next restart switches back), settings that live in per-mode
 sections and so change with the mode (masqueradeAll), excludeCIDRs swallowing the pods'
@@ -385,7 +385,7 @@ def check_proxy_port_range(ctx: Context) -> list[Finding]:
     try:
         lo, hi = parse_port_range(text)
     except ValueError:
-        return []  # config.py's own validation reports it (check_loads)
+        return []  # kproxy.config's own validation reports it (check_loads)
     if snap is None:
         return []
     needed = len(listener_keys(snap.services.values()))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kproxy.config import ProxyConfig
+from kproxy.ops.inputs import node_name_of
 from kproxy.ops.preflight import (
     backup,
     config_checks,
@@ -259,7 +259,7 @@ def run_preflight(
         config_path=config_path,
         source=source,
         status=status,
-        node_name=(node_name or (status or {}).get("node") or socket.gethostname()).lower(),
+        node_name=node_name_of(node_name, status),
         state_dir=state_dir,
         backup_path=backup_path,
         config_override=config,
