@@ -90,7 +90,8 @@ def running(settings: ClientSettings, **kwargs: Any) -> Iterator[RolloutControll
     abandoned like a killed process with kwargs kill=True."""
     kill = kwargs.pop("kill", False)
     kwargs.setdefault("lease_namespace", "default")
-    controller = RolloutController(settings, interval=0.05, **kwargs)
+    kwargs.setdefault("interval", 0.05)
+    controller = RolloutController(settings, **kwargs)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     task: list[asyncio.Task[None]] = []

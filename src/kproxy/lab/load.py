@@ -48,13 +48,19 @@ class LoadHarness:
         streams: int = 5,
         fresh_interval: float = 0.005,
         timeout: float = 2.0,
+        fresh_from: str | None = None,
+        streams_from: str | None = None,
     ) -> None:
+        """fresh_from / streams_from: the namespaces the fresh connections (and UDP) and the
+        long-lived ones start in (default: the lab's first and last client)."""
         self.lab = lab
         self.tcp = tcp
         self.udp = udp
         self.n_streams = streams
         self.fresh_interval = fresh_interval
         self.timeout = timeout
+        self.fresh_from = fresh_from or lab.client_ns[0]
+        self.streams_from = streams_from or lab.client_ns[-1]
         self.result = LoadResult()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -65,8 +71,8 @@ class LoadHarness:
 
     def start(self) -> LoadHarness:
         self._t0 = time.monotonic()
-        fresh_agent = self.lab.agent(self.lab.client_ns[0])
-        stream_agent = self.lab.agent(self.lab.client_ns[-1])
+        fresh_agent = self.lab.agent(self.fresh_from)
+        stream_agent = self.lab.agent(self.streams_from)
         ip, port = self.tcp
         streams = [
             stream_agent.open_stream(dst=ip, port=port, timeout=self.timeout)
