@@ -5,6 +5,7 @@ through every node's ClusterIP and NodePort for the whole rollout. Real packets.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,42 @@ pytestmark = pytest.mark.kernel
 def cluster(tmp_path: Path) -> Iterator[ClusterLab]:
     with Lab(pods=8, clients=1, nodes=4) as lab, ClusterLab(lab, tmp_path) as c:
         yield c
+
+
+class BrokenNft:
+    """An `nft` early in one node's PATH that fails on purpose: every call while `broken`
+    exists (preflight sees it), or only transactions (`nft -f`, the syncs) while `failing`
+    exists."""
+
+    def __init__(self, folder: Path) -> None:
+        real = shutil.which("nft") or shutil.which("nft", path="/usr/sbin:/sbin")
+        assert real is not None
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.broken = folder / "broken"
+        self.failing = folder / "failing"
+        script = folder / "nft"
+        script.write_text(
+            "#!/bin/sh\n"
+            f'[ -e {self.broken} ] && {{ echo "nft: broken on purpose" >&2; exit 1; }}\n'
+            f'if [ -e {self.failing} ]; then for a in "$@"; do\n'
+            '  [ "$a" = "-f" ] && { echo "nft: transaction refused on purpose" >&2; exit 1; }\n'
+            "done; fi\n"
+            f'exec {real} "$@"\n'
+        )
+        script.chmod(0o755)
+
+
+@pytest.fixture
+def faulty(tmp_path: Path) -> Iterator[tuple[ClusterLab, dict[str, BrokenNft]]]:
+    """The cluster with a breakable nft on every node."""
+    nfts = {f"node{i}": BrokenNft(tmp_path / f"nft-node{i}") for i in range(1, 5)}
+    prefixes = {name: nft.folder for name, nft in nfts.items()}
+    with (
+        Lab(pods=8, clients=1, nodes=4) as lab,
+        ClusterLab(lab, tmp_path / "cluster", path_prefixes=prefixes) as c,
+    ):
+        yield c, nfts
 
 
 def rollout(name: str, **spec: Any) -> dict[str, Any]:
@@ -93,3 +130,117 @@ def test_a_full_rollout_moves_every_node_with_no_failed_request(cluster: Cluster
     events = {(e["involvedObject"]["kind"], e["reason"]) for e in cluster.store.objects("Event")}
     assert {("ProxyRollout", "Finished"), ("Node", "NodeSwitched")} <= events
     assert ("Node", "ProxyModeSwitched") in events  # the node's own report
+
+
+def node_states(c: ClusterLab, name: str) -> dict[str, str]:
+    status = (c.store.get("ProxyRollout", "", name) or {}).get("status") or {}
+    return {n["name"]: n["state"] for n in status.get("nodes", [])}
+
+
+@pytest.mark.parametrize("on_block", ["Skip", "HaltStage"])
+def test_a_node_whose_target_cannot_work_is_refused_by_its_preflight(
+    faulty: tuple[ClusterLab, dict[str, BrokenNft]], on_block: str
+) -> None:
+    cluster, nfts = faulty
+    nfts["node3"].broken.touch()
+    spec = {
+        "stages": [{"nodes": "100%", "maxParallel": "4"}],
+        "preflight": {"onBlock": on_block},
+    }
+    with traffic(cluster), running(cluster.settings(), interval=0.2):
+        cluster.store.create(rollout("r", **spec))
+        if on_block == "Skip":
+            assert wait_phase(cluster, "r", st.TERMINAL) == st.SUCCEEDED
+        else:
+            wait_phase(cluster, "r", (st.PAUSED,))
+    states = node_states(cluster, "r")
+    assert modes(cluster)["node3"] == "iptables"
+    status = cluster.store.get("ProxyRollout", "", "r")["status"]  # type: ignore[index]
+    (node3,) = [n for n in status["nodes"] if n["name"] == "node3"]
+    assert "nft" in node3["reason"], node3
+    if on_block == "Skip":
+        assert states["node3"] == st.SKIPPED
+        assert {modes(cluster)[n] for n in ("node1", "node2", "node4")} == {"nftables"}
+    else:
+        assert states["node3"] == st.BLOCKED
+        assert "preflight of node3 blocks the switch" in status["pausedReason"]
+
+
+def test_a_node_that_degrades_after_its_switch_is_rolled_back(
+    faulty: tuple[ClusterLab, dict[str, BrokenNft]],
+) -> None:
+    """node1 switches, then its syncs start failing: its verify breaker trips and sends it
+    back to iptables by itself; the other nodes go on (the batch breaker wants 3 failures)."""
+    cluster, nfts = faulty
+    spec = {
+        "soak": "40s",
+        "stages": [{"nodes": "100%", "maxParallel": "4"}],
+        "breakers": [
+            {"signal": "switchFailed"},
+            {"signal": "verifyFailed"},
+            {"signal": "failedNodes", "threshold": "3"},
+        ],
+    }
+    with traffic(cluster), running(cluster.settings(), interval=0.2):
+        cluster.store.create(rollout("r", **spec))
+        wait_phase(cluster, "r", (st.SOAKING,))
+        nfts["node1"].failing.touch()
+        # a change every node must write: node1's transaction fails from now on
+        cluster.store.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": "extra", "namespace": "default"},
+                "spec": {"ports": [{"port": 81, "targetPort": 8080}]},
+            }
+        )
+        deadline = time.monotonic() + 90
+        while node_states(cluster, "r").get("node1") != st.ROLLED_BACK:
+            if time.monotonic() > deadline:
+                status = (cluster.store.get("ProxyRollout", "", "r") or {}).get("status")
+                pytest.fail(
+                    f"node1 not rolled back: {status}\n{cluster.node_annotations('node1')}\n"
+                    + cluster.proxies["node1"].log_tail(60)
+                )
+            time.sleep(0.2)
+        nfts["node1"].failing.unlink()
+        assert wait_phase(cluster, "r", st.TERMINAL) == st.FAILED
+    assert modes(cluster) == {
+        "node1": "iptables",
+        "node2": "nftables",
+        "node3": "nftables",
+        "node4": "nftables",
+    }
+    status = cluster.store.get("ProxyRollout", "", "r")["status"]  # type: ignore[index]
+    tripped = [b for b in status["breakers"] if b.get("tripped")]
+    assert [(b["name"], b["node"]) for b in tripped] == [("verifyFailed", "node1")]
+
+
+def test_a_batch_where_enough_nodes_fail_is_rolled_back_and_pauses(
+    faulty: tuple[ClusterLab, dict[str, BrokenNft]],
+) -> None:
+    """Stage 2's three nodes switch together; two cannot write nftables rules (their switch
+    fails and their kproxy keeps iptables): the batch breaker sends the third back too and
+    the rollout pauses, the canary staying on nftables."""
+    cluster, nfts = faulty
+    for name in ("node2", "node3"):
+        nfts[name].failing.touch()
+    spec = {
+        "soak": "1s",
+        "stages": [{"nodes": "1"}, {"nodes": "100%", "maxParallel": "3"}],
+        "breakers": [{"signal": "switchFailed"}, {"signal": "failedNodes", "threshold": "2"}],
+    }
+    with traffic(cluster), running(cluster.settings(), interval=0.2):
+        cluster.store.create(rollout("r", **spec))
+        wait_phase(cluster, "r", (st.PAUSED,))
+    assert modes(cluster) == {
+        "node1": "nftables",
+        "node2": "iptables",
+        "node3": "iptables",
+        "node4": "iptables",
+    }
+    states = node_states(cluster, "r")
+    assert states["node1"] == st.DONE
+    assert {states[n] for n in ("node2", "node3", "node4")} == {st.ROLLED_BACK}
+    status = cluster.store.get("ProxyRollout", "", "r")["status"]  # type: ignore[index]
+    assert "failedNodes" in status["pausedReason"]

@@ -256,3 +256,22 @@ def test_nft_documents_are_joined_by_text_and_stay_valid_json() -> None:
     section = nftables_section(broken)
     assert not section["ok"] and "not a JSON document" in section["error"]
     assert json.loads(section["output"]) == {"nftables": []}
+
+
+def test_a_removal_that_fails_after_the_cut_over_leaves_the_switch_done(tmp_path: Path) -> None:
+    """The new mode serves from the cut-over on: the old one's leftovers are reported and
+    left to the leftover cleanup, never reported as a failed switch (which would make the
+    daemon believe the detached old mode still serves)."""
+
+    class Stuck(Plane):
+        def cleanup(self, *, dry_run: bool = False) -> list:
+            self.calls.append(f"{self.mode}.cleanup")
+            raise RuntimeError("nft rejected the transaction")
+
+    calls: list[str] = []
+    switcher = switcher_for(calls, state_dir=tmp_path)
+    report, now = switcher.switch(Stuck("iptables", calls), SNAP, "nftables", timeout=30)
+    assert report.ok and report.error is None and now.mode == "nftables"
+    assert calls == ["nftables.sync", "iptables.detach", "iptables.cleanup"]
+    assert report.leftover_error == "RuntimeError: nft rejected the transaction"
+    assert "remove" not in [s.name for s in report.steps]

@@ -107,6 +107,7 @@ class Daemon:
         )
         self.state_dir = state_dir
         self.leftovers_removed: list[str] | None = None
+        self.leftover_cleaner = LeftoverCleaner(self)
         self.loop = ProxyLoop(
             self.tracker,
             self.dataplane,
@@ -118,7 +119,7 @@ class Daemon:
                 self.health,
                 self.service_health,
                 StatusFile(self),
-                LeftoverCleaner(self),
+                self.leftover_cleaner,
             ],
         )
         self.admin = AdminServer(
@@ -192,6 +193,8 @@ class Daemon:
                 self.previous_mode = old.mode
                 self.dataplane = now_serving
                 self.loop.set_dataplane(now_serving)
+                if report.leftover_error:
+                    self.leftover_cleaner.again()
         if not report.ok:
             release_free_heap()  # what the failed attempt built (a success's record does it)
         self.metrics.switched(report.from_mode, report.to_mode, report.ok, report.duration)
@@ -392,6 +395,10 @@ class LeftoverCleaner:
             return
         self.started = True
         threading.Thread(target=self._clean, name="leftovers", daemon=True).start()
+
+    def again(self) -> None:
+        """Clean once more after the next successful sync (a switch left leftovers)."""
+        self.started = False
 
     def _clean(self) -> None:
         d = self.daemon

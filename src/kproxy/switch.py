@@ -78,6 +78,9 @@ class SwitchReport:
     removed_total: int = 0
     removed_by_kind: dict[str, int] = field(default_factory=dict)
     removed_file: str | None = None  # every removed object, one a line
+    # Why the old mode's state could not all be removed after the cut-over (the switch is
+    # done all the same; the daemon's leftover cleanup takes what is left).
+    leftover_error: str | None = None
     snapshots: list[str] = field(default_factory=list)
     duration: float = 0.0
 
@@ -233,7 +236,21 @@ class ModeSwitcher:
         try:
             cut = True
             step("cut-over", lambda: self._detach(old))
-            step("remove", lambda: self._remove(old, report))
+            try:
+                step("remove", lambda: self._remove(old, report))
+            except Exception as err:
+                # The new mode serves from the cut-over on: a removal that fails leaves
+                # leftovers, never a half-switched proxy that believes the old mode serves.
+                report.leftover_error = f"{type(err).__name__}: {err}"
+                log.error(
+                    "switch %s -> %s: %s serves, but %s's state could not all be removed "
+                    "(left to the leftover cleanup): %s",
+                    old.mode,
+                    to,
+                    to,
+                    old.mode,
+                    err,
+                )
         finally:
             anchor.remove()
         report.ok = True

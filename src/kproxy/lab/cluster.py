@@ -61,6 +61,8 @@ class ClusterLab:
     mode: str = "iptables"
     zones: tuple[str, ...] = ("zone-a", "zone-b")
     store: KubeApiStore = field(default_factory=lambda: KubeApiStore(bookmark_interval=1.0))
+    # node name -> a folder searched before PATH by that node's kproxy (a broken tool)
+    path_prefixes: dict[str, Path] = field(default_factory=dict)
     proxies: dict[str, ProxyProcess] = field(default_factory=dict)
     cluster_ip: str = ""
     _servers: list[KubeApiServer] = field(default_factory=list)
@@ -157,6 +159,7 @@ class ClusterLab:
             args=["--iptables-backend", "nft"],
             workdir=home / "kproxy",
             node=node,
+            path_prefix=self.path_prefixes.get(node.name),
         )
         self.proxies[node.name] = proxy.start(wait=False)
 

@@ -28,8 +28,11 @@ class ProxyProcess:
         args: Sequence[str] = (),
         workdir: Path,
         node: LabNode | None = None,
+        path_prefix: Path | None = None,
     ) -> None:
+        """path_prefix: a folder searched before PATH (tools replaced for a fault test)."""
         self.lab = lab
+        self.path_prefix = path_prefix
         self.node = node or lab.nodes[0]
         self.source = source
         self.config = config
@@ -52,7 +55,12 @@ class ProxyProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         previous = self.status().get("syncs", 0) if self.status_path.exists() else 0
         log = self.log_path.open("a")
-        self.proc = self.lab.spawn(self.node.ns, self.argv(), stdout=log, stderr=subprocess.STDOUT)
+        env = self.lab.process_env()
+        if self.path_prefix is not None:
+            env["PATH"] = f"{self.path_prefix}:{env.get('PATH', '')}"
+        self.proc = self.lab.spawn(
+            self.node.ns, self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env
+        )
         log.close()
         if wait:
             self.wait_synced(

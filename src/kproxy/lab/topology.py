@@ -420,7 +420,7 @@ class Lab:
         self._check_ns(ns)
         if self._state != "up":
             raise LabError(f"lab {self.id} is not up")
-        popen_kwargs.setdefault("env", self._env())
+        popen_kwargs.setdefault("env", self.process_env())
         popen_kwargs.setdefault("stdin", subprocess.DEVNULL)
         # Own session: a Ctrl-C in the terminal must not kill lab processes behind down()'s
         # back, and CLI-started labs must survive the CLI exiting.
@@ -458,7 +458,8 @@ class Lab:
 
     # -- building ---------------------------------------------------------------------
 
-    def _env(self) -> dict[str, str]:
+    def process_env(self) -> dict[str, str]:
+        """The environment of the processes the lab starts (kproxy's sources importable)."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (_src_root(), env.get("PYTHONPATH", "")) if p
