@@ -182,3 +182,23 @@ def test_nft_cleanup_skips_the_chain_dump_without_iptables_nft_tables(
     assert loaded.returncode == 0, loaded.stderr
     removed, _complete = remove_over_netlink(backend)
     assert dumps == ["chains"] and removed
+
+
+def test_cleanup_removes_upstreams_ipv6_ipsets_under_their_truncated_names(netns: str) -> None:
+    """Upstream cuts the IPv6 set names at the kernel's 31 characters (KUBE-6-LOAD-BALANCER-
+    SOURCE-CID): a cleanup that lengthens them misses those sets."""
+    from kproxy.dataplane.ipvs import names
+
+    truncated = [name for name in names.IPV6_SET_NAMES if len(name) == 31]
+    assert "KUBE-6-LOAD-BALANCER-SOURCE-CID" in truncated
+    created = "".join(
+        f"create {s} hash:ip family inet6\n" for s in (*names.IPV6_SET_NAMES, "FOREIGN-6-SET")
+    )
+    assert run_in(netns, "ipset", "restore", input=created).returncode == 0
+    kproxy = [sys.executable, "-m", "kproxy.cli", "cleanup"]
+
+    dry = json.loads(run_in(netns, *kproxy, "--dry-run", "--json").stdout)["removed"]
+    assert {o["name"] for o in dry if o["kind"] == "ipset"} == set(names.IPV6_SET_NAMES)
+    done = run_in(netns, *kproxy)
+    assert done.returncode == 0, done.stderr
+    assert run_in(netns, "ipset", "list", "-n").stdout.split() == ["FOREIGN-6-SET"]

@@ -20,33 +20,12 @@ from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError
 from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
 from kproxy.dataplane.iptables.cleanup import iptables_mode_chain
+from kproxy.dataplane.ipvs.names import OWNED_SET_NAMES
 from kproxy.dataplane.userspace.proxier import clean_userspace_leftovers, userspace_chain
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.host.commands import in_netns
 
 log = logging.getLogger("kproxy.leftovers")
-
-# upstream's ipvs-mode ipsets (reference §3), IPv4 and IPv6 names
-IPVS_SETS = (
-    "KUBE-LOOP-BACK",
-    "KUBE-CLUSTER-IP",
-    "KUBE-EXTERNAL-IP",
-    "KUBE-EXTERNAL-IP-LOCAL",
-    "KUBE-LOAD-BALANCER",
-    "KUBE-LOAD-BALANCER-FW",
-    "KUBE-LOAD-BALANCER-LOCAL",
-    "KUBE-LOAD-BALANCER-SOURCE-IP",
-    "KUBE-LOAD-BALANCER-SOURCE-CIDR",
-    "KUBE-NODE-PORT-TCP",
-    "KUBE-NODE-PORT-LOCAL-TCP",
-    "KUBE-NODE-PORT-UDP",
-    "KUBE-NODE-PORT-LOCAL-UDP",
-    "KUBE-NODE-PORT-SCTP-HASH",
-    "KUBE-NODE-PORT-LOCAL-SCTP-HASH",
-    "KUBE-HEALTH-CHECK-NODE-PORT",
-    "KUBE-IPVS-IPS",
-)
-OWNED_SETS = frozenset(IPVS_SETS) | {"KUBE-6-" + s[len("KUBE-") :] for s in IPVS_SETS}
 
 
 def _run(argv: Sequence[str], netns: str | None) -> subprocess.CompletedProcess[str]:
@@ -204,7 +183,7 @@ def _ipsets(netns: str | None, dry_run: bool) -> list[OwnedObject]:
     names = _run(["ipset", "list", "-n"], netns).stdout.split()
     out = []
     for name in names:
-        if name not in OWNED_SETS:
+        if name not in OWNED_SET_NAMES:
             continue
         if not dry_run:
             done = _run(["ipset", "destroy", name], netns)

@@ -291,8 +291,7 @@ def remove_ipsets(
         existing = client.names()
     except (IpsetError, OSError):
         return []
-    ours = set(n.SET_NAMES) | set(n.IPV6_SET_NAMES)
-    going = [name for name in existing if name in ours]
+    going = [name for name in existing if name in n.OWNED_SET_NAMES]
     if going and not dry_run:
         try:
             client.restore([f"destroy {name}" for name in going])  # one process for all
