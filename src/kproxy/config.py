@@ -65,14 +65,15 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kproxy.dataplane.facts import RuleOptions
+from kproxy.modes import MODES
 
 log = logging.getLogger("kproxy.config")
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
 
-# kproxy's modes; "" means iptables. Whether a mode is built in is checked elsewhere.
-MODES = ("iptables", "nftables", "ipvs", "userspace")
+# MODES (kproxy/modes.py) are kproxy's modes; "" means iptables. Whether a mode is built
+# in is checked elsewhere.
 DEFAULT_MODE = "iptables"
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")

@@ -35,7 +35,6 @@ from typing import Protocol as Interface
 from kproxy.conntrack import delete_unreplied_syn_to
 from kproxy.dataplane.anchor import ConntrackAnchor
 from kproxy.dataplane.base import (
-    VALID_MODES,
     Dataplane,
     DataplaneUnavailable,
     OwnedObject,
@@ -43,6 +42,7 @@ from kproxy.dataplane.base import (
 )
 from kproxy.memory import release_free_heap
 from kproxy.model.objects import Protocol, Snapshot
+from kproxy.modes import MODES
 from kproxy.ops.snapshot import ServiceKey, plane_services
 from kproxy.ops.snapshot_file import write_node_snapshot
 
@@ -254,8 +254,8 @@ class ModeSwitcher:
     # --- steps -------------------------------------------------------------------------------
 
     def _check(self, old: Dataplane, to: str) -> str:
-        if to not in VALID_MODES:
-            raise SwitchFailed(f"unknown mode {to!r}: valid modes are {', '.join(VALID_MODES)}")
+        if to not in MODES:
+            raise SwitchFailed(f"unknown mode {to!r}: valid modes are {', '.join(MODES)}")
         if to == old.mode:
             raise SwitchFailed(f"already in {to} mode")
         return f"{old.mode} -> {to}"

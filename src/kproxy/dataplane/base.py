@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kproxy.model.objects import Snapshot
+from kproxy.modes import MODES
 
-VALID_MODES = ("iptables", "nftables", "ipvs", "userspace")
-AVAILABLE_MODES = ("iptables", "nftables", "ipvs", "userspace")
+# The modes this build provides: all of kproxy's (a build without one drops it here).
+AVAILABLE_MODES: tuple[str, ...] = MODES
 
 
 class DataplaneUnavailable(Exception):

@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from kproxy.dataplane.base import VALID_MODES
+from kproxy.modes import MODES
 from kproxy.sources.api import ApiSource
 from kproxy.sources.cluster import MODE_ANNOTATION, annotations_of, declared_mode
 from kproxy.sources.kubeclient import ApiError, json_request
@@ -138,10 +138,10 @@ class ClusterAgent:
         self.observed = want or ""
         target = want or self.configured_mode
         current = _mode_of(self.daemon)
-        if target not in VALID_MODES:
+        if target not in MODES:
             self._failed(
                 target,
-                f"{MODE_ANNOTATION}: {target!r} is not a proxy mode ({', '.join(VALID_MODES)})",
+                f"{MODE_ANNOTATION}: {target!r} is not a proxy mode ({', '.join(MODES)})",
             )
             return
         if target == current:
