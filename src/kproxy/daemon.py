@@ -327,10 +327,9 @@ class LeftoverCleaner:
 
     def _clean(self) -> None:
         d = self.daemon
-        backend = getattr(d.dataplane, "backend", None)
         removed = clean_leftovers(
             d.dataplane.mode,
-            iptables_flavour=getattr(backend, "flavour", None),
+            iptables_flavour=d.dataplane.iptables_flavour,
             state_dir=d.state_dir,
         )
         release_free_heap()  # the scan read whole rule dumps

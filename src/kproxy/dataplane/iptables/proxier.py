@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kproxy.dataplane.base import OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.base import Dataplane, OwnedObject, SyncError, SyncResult
 from kproxy.dataplane.custody import Custody
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables import names
@@ -81,7 +81,7 @@ class AppliedState:
     nat_top_rules: list[str]
 
 
-class IptablesDataplane:
+class IptablesDataplane(Dataplane):
     mode = "iptables"
 
     def __init__(
@@ -308,6 +308,10 @@ class IptablesDataplane:
                 + "\n"
             )
         return pieces
+
+    @property
+    def iptables_flavour(self) -> str:
+        return self.backend.flavour
 
     def drifted(self) -> bool:
         """True when the kernel lost our state behind our back (the canary chain is gone)."""

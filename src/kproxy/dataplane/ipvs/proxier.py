@@ -43,7 +43,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kproxy.conntrack import Conntrack, ConntrackError, DeleteFilter
-from kproxy.dataplane.base import DataplaneUnavailable, OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.base import (
+    Dataplane,
+    DataplaneUnavailable,
+    OwnedObject,
+    SyncError,
+    SyncResult,
+)
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import (
     IptablesBackend,
@@ -89,7 +95,7 @@ class Op:
     commit: Callable[[KernelState], None]
 
 
-class IpvsDataplane:
+class IpvsDataplane(Dataplane):
     mode = "ipvs"
 
     def __init__(
@@ -532,7 +538,11 @@ class IpvsDataplane:
         """Real servers at weight 0 waiting for their connections to end (since when)."""
         return dict(self._graceful)
 
-    # --- the rest of the Dataplane protocol ---------------------------------------------------
+    # --- the rest of the Dataplane class ------------------------------------------------------
+
+    @property
+    def iptables_flavour(self) -> str:
+        return self.backend.flavour
 
     def drifted(self) -> bool:
         """Our state is gone behind our back: the nat KUBE-SERVICES chain or kube-ipvs0."""

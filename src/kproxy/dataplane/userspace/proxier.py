@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kproxy.conntrack import Conntrack, ConntrackEntry, ConntrackError, DeleteFilter
-from kproxy.dataplane.base import OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.base import Dataplane, OwnedObject, SyncError, SyncResult
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import (
     IptablesBackend,
@@ -75,7 +75,7 @@ BIND_RETRIES = 3
 ACK_PER_NEW_LISTENER = 0.005
 
 
-class UserspaceDataplane:
+class UserspaceDataplane(Dataplane):
     mode = "userspace"
 
     def __init__(
@@ -335,6 +335,10 @@ class UserspaceDataplane:
                 log.warning("cannot add the transparent-proxy rule: %s", out.strip())
 
     # --- drift, ownership, cleanup -----------------------------------------------------------
+
+    @property
+    def iptables_flavour(self) -> str:
+        return self.backend.flavour
 
     def drifted(self) -> bool:
         if self._rules is None:
