@@ -410,13 +410,13 @@ class IptablesDataplane(Dataplane):
         serving right now: a switch to userspace mode shares the backend)."""
         from kproxy.dataplane.iptables.cleanup import iptables_mode_chain, owned_state
 
-        return owned_state(self.backend, keep=lambda chain: not iptables_mode_chain(chain))
+        return owned_state(self.backend, keep=lambda _t, chain: not iptables_mode_chain(chain))
 
     def cleanup(self, *, dry_run: bool = False) -> list[OwnedObject]:
         from kproxy.dataplane.iptables.cleanup import cleanup, iptables_mode_chain
 
         return cleanup(
-            self.backend, dry_run=dry_run, keep=lambda chain: not iptables_mode_chain(chain)
+            self.backend, dry_run=dry_run, keep=lambda _t, chain: not iptables_mode_chain(chain)
         )
 
 

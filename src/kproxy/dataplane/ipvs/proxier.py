@@ -55,6 +55,7 @@ from kproxy.dataplane.iptables.backend import (
     IptablesBackend,
     IptablesError,
     RestoreError,
+    chosen_backend,
     parse_save,
 )
 from kproxy.dataplane.ipvs import cleanup as ipvs_cleanup
@@ -791,10 +792,9 @@ def create_ipvs_dataplane(
     never a fallback), set upstream's sysctls, build the dataplane."""
     from kproxy.dataplane.ipvs.check import check_ipvs_support
     from kproxy.dataplane.nodefacts import detect_node_facts
-    from kproxy.dataplane.registry import iptables_backend
 
     check_ipvs_support(options.ipvs_scheduler, netns=netns)
-    backend = iptables_backend(iptables_backend_choice, netns)
+    backend = chosen_backend(iptables_backend_choice, netns)
     facts = detect_node_facts(netns=netns, backend=backend, node_ips=node_ips)
     try:
         dataplane = IpvsDataplane(backend, facts, options, netns=netns, state_dir=state_dir)

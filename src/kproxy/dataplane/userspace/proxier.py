@@ -31,9 +31,11 @@ from kproxy.dataplane.iptables.backend import (
     IptablesBackend,
     IptablesError,
     RestoreError,
+    chosen_backend,
     rule_spec,
 )
 from kproxy.dataplane.userspace import fdlimit, render
+from kproxy.dataplane.userspace.cleanup import OUR_CHAINS, userspace_chain
 from kproxy.dataplane.userspace.control import (
     PORTS_FILE,
     SUBDIR,
@@ -44,7 +46,6 @@ from kproxy.dataplane.userspace.control import (
 )
 from kproxy.dataplane.userspace.render import (
     CANARY_CHAIN,
-    CHAINS,
     HANDOFF_RULE,
     JUMPS,
     ROUTE_TABLE,
@@ -60,13 +61,6 @@ from kproxy.host.commands import in_netns, run_command
 from kproxy.model.objects import Snapshot
 
 log = logging.getLogger("kproxy.userspace")
-
-OUR_CHAINS = frozenset(c for chains in CHAINS.values() for c in chains)
-
-
-def userspace_chain(chain: str) -> bool:
-    """The chains userspace mode writes (a leftover cleanup in this mode keeps them)."""
-    return chain in OUR_CHAINS or chain == CANARY_CHAIN
 
 
 BIND_RETRIES = 3
@@ -625,9 +619,8 @@ def create_userspace_dataplane(
 ) -> tuple[UserspaceDataplane, NodeFacts]:
     """What registry.create_dataplane does for mode "userspace" (same arguments)."""
     from kproxy.dataplane.nodefacts import detect_node_facts
-    from kproxy.dataplane.registry import iptables_backend
 
-    backend = iptables_backend(iptables_backend_choice)
+    backend = chosen_backend(iptables_backend_choice)
     facts = detect_node_facts(backend=backend, node_ips=node_ips)
     if workers is None and os.environ.get("KPROXY_USERSPACE_WORKERS", "").isdigit():
         workers = int(os.environ["KPROXY_USERSPACE_WORKERS"])  # benchmarks and debugging
