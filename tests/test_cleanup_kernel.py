@@ -202,3 +202,49 @@ def test_cleanup_removes_upstreams_ipv6_ipsets_under_their_truncated_names(netns
     done = run_in(netns, *kproxy)
     assert done.returncode == 0, done.stderr
     assert run_in(netns, "ipset", "list", "-n").stdout.split() == ["FOREIGN-6-SET"]
+
+
+IPVS_MODE_STATE = """\
+*filter
+:KUBE-SERVICES - [0:0]
+:KUBE-FORWARD - [0:0]
+:KUBE-IPVS-FILTER - [0:0]
+-A INPUT -j KUBE-SERVICES
+-A INPUT -j KUBE-IPVS-FILTER
+-A FORWARD -j KUBE-FORWARD
+COMMIT
+*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-NODE-PORT - [0:0]
+:KUBE-SVC-XPGD46QRK7WJZT7O - [0:0]
+:KUBE-NODEPORTS - [0:0]
+-A PREROUTING -j KUBE-SERVICES
+-A KUBE-SERVICES -j KUBE-NODE-PORT
+-A OUTPUT -j KUBE-NODEPORTS
+COMMIT
+"""
+
+
+@pytest.mark.parametrize("flavour", ["nft", "legacy"])
+def test_leftovers_of_a_node_running_ipvs_keep_its_chains_by_table(
+    netns: str, flavour: str
+) -> None:
+    """ipvs mode writes some of iptables mode's chain names, in its own tables only: filter
+    KUBE-SERVICES is an iptables-mode leftover beside ipvs mode's nat KUBE-SERVICES."""
+    from kproxy.leftovers import clean_leftovers
+
+    loaded = run_in(netns, f"iptables-{flavour}-restore", "--noflush", input=IPVS_MODE_STATE)
+    assert loaded.returncode == 0, loaded.stderr
+    removed = clean_leftovers("ipvs", iptables_flavour=flavour, netns=netns)
+    chains_gone = {
+        (o.where.rsplit(" ", 1)[1], o.name) for o in removed if o.kind == "iptables-chain"
+    }
+    assert chains_gone == {
+        ("filter", "KUBE-SERVICES"),
+        ("nat", "KUBE-SVC-XPGD46QRK7WJZT7O"),
+        ("nat", "KUBE-NODEPORTS"),
+    }
+    saved = run_in(netns, f"iptables-{flavour}-save").stdout
+    assert "-A INPUT -j KUBE-IPVS-FILTER" in saved and "-A FORWARD -j KUBE-FORWARD" in saved
+    assert "-A KUBE-SERVICES -j KUBE-NODE-PORT" in saved and "KUBE-NODEPORTS" not in saved
+    assert "-A INPUT -j KUBE-SERVICES" not in saved and "KUBE-SVC-" not in saved
