@@ -54,8 +54,14 @@ def test_a_dataplane_without_optional_capabilities_gets_the_defaults() -> None:
     dp = Minimal()
     removed, draining = dp.retire()
     assert [o.name for o in removed] == ["ip minimal"] and draining is None and dp.cleaned == 1
-    assert dp.iptables_flavour is None
+    assert dp.iptables_flavour is None and not dp.moves_udp_flows
     dp.distrust_kernel()
     dp.close()
     with pytest.raises(NotImplementedError):
         dp.drifted()
+
+
+def test_userspace_mode_moves_its_udp_flows_itself() -> None:
+    from kproxy.dataplane.userspace.proxier import UserspaceDataplane
+
+    assert UserspaceDataplane.moves_udp_flows

@@ -140,9 +140,7 @@ class Daemon:
             self.config_watch.start()
 
     def _clean_udp(self, ips: dict[tuple[str, int], set[str]], ports: dict[int, set[str]]) -> int:
-        # In userspace mode the workers move UDP sessions off removed endpoints themselves;
-        # the conntrack entries there are the redirects of live flows.
-        if self.dataplane.mode == "userspace":
+        if self.dataplane.moves_udp_flows:
             return 0
         return cleanup_stale_udp(ips, ports)
 

@@ -74,6 +74,10 @@ class Dataplane:
     ones every mode implements, the others are defaults a mode overrides when it can."""
 
     mode: str
+    # Whether the mode itself moves UDP flows off removed endpoints (userspace's workers do:
+    # the conntrack entries there are redirects of live flows, which the sync loop's stale
+    # UDP cleanup must not delete).
+    moves_udp_flows: bool = False
 
     def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult:
         raise NotImplementedError

@@ -71,6 +71,7 @@ ACK_PER_NEW_LISTENER = 0.005
 
 class UserspaceDataplane(Dataplane):
     mode = "userspace"
+    moves_udp_flows = True  # its workers do
 
     def __init__(
         self,
