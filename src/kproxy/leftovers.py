@@ -53,8 +53,8 @@ def leftovers(
 def leftovers_by_mode(
     dump: KernelDump, mode: str | None, iptables_flavour: str | None, *, remove: bool
 ) -> list[tuple[str | None, OwnedObject]]:
-    """leftovers(), each with the mode whose state it is (None: iptables chains, which
-    several modes share, and what a crashed switch left)."""
+    """leftovers(), each with the mode whose state it is (None: the iptables chains, which
+    several modes share, and what a crashed switch left, which no mode adopts)."""
     from kproxy.dataplane.iptables.backend import IptablesError
     from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
 
@@ -67,7 +67,7 @@ def leftovers_by_mode(
         keep = running.keeps_chain if running and flavour == iptables_flavour else None
         try:
             found += [(None, o) for o in iptables_cleanup(backend, dry_run=not remove, keep=keep)]
-            found += _switch_rules(dump, backend, remove)
+            found += [(None, o) for o in _switch_rules(dump, backend, remove)]
         except IptablesError as err:
             log.warning("could not clean iptables-%s leftovers: %s", flavour, err)
     found += [(None, o) for o in _switch_anchor(dump, remove)]
@@ -77,9 +77,7 @@ def leftovers_by_mode(
     return found
 
 
-def _switch_rules(
-    dump: KernelDump, backend: IptablesBackend, remove: bool
-) -> list[tuple[str | None, OwnedObject]]:
+def _switch_rules(dump: KernelDump, backend: IptablesBackend, remove: bool) -> list[OwnedObject]:
     """The raw-table rules a crash during a switch left, in any mode (outside a switch
     nothing uses them): each mode's spec says which are its. Read without side effects
     and cheaply: `iptables-nft -S CHAIN` creates no table; legacy's raw table is saved
@@ -96,13 +94,13 @@ def _switch_rules(
         rules = sorted(outlines["raw"].builtin_rules)
     where = f"iptables-{backend.flavour}"
     found = [
-        (spec.name, obj)
+        obj
         for spec in SPECS.values()
         if spec.switch_rules is not None
         for obj in spec.switch_rules(where, rules)
     ]
     if found and remove:
-        backend.restore(cleanup_input([obj for _mode, obj in found]))
+        backend.restore(cleanup_input(found))
     return found
 
 
