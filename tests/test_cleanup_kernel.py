@@ -182,3 +182,69 @@ def test_nft_cleanup_skips_the_chain_dump_without_iptables_nft_tables(
     assert loaded.returncode == 0, loaded.stderr
     removed, _complete = remove_over_netlink(backend)
     assert dumps == ["chains"] and removed
+
+
+def test_cleanup_removes_upstreams_ipv6_ipsets_under_their_truncated_names(netns: str) -> None:
+    """Upstream cuts the IPv6 set names at the kernel's 31 characters (KUBE-6-LOAD-BALANCER-
+    SOURCE-CID): a cleanup that lengthens them misses those sets."""
+    from kproxy.dataplane.ipvs import names
+
+    truncated = [name for name in names.IPV6_SET_NAMES if len(name) == 31]
+    assert "KUBE-6-LOAD-BALANCER-SOURCE-CID" in truncated
+    created = "".join(
+        f"create {s} hash:ip family inet6\n" for s in (*names.IPV6_SET_NAMES, "FOREIGN-6-SET")
+    )
+    assert run_in(netns, "ipset", "restore", input=created).returncode == 0
+    kproxy = [sys.executable, "-m", "kproxy.cli", "cleanup"]
+
+    dry = json.loads(run_in(netns, *kproxy, "--dry-run", "--json").stdout)["removed"]
+    assert {o["name"] for o in dry if o["kind"] == "ipset"} == set(names.IPV6_SET_NAMES)
+    done = run_in(netns, *kproxy)
+    assert done.returncode == 0, done.stderr
+    assert run_in(netns, "ipset", "list", "-n").stdout.split() == ["FOREIGN-6-SET"]
+
+
+IPVS_MODE_STATE = """\
+*filter
+:KUBE-SERVICES - [0:0]
+:KUBE-FORWARD - [0:0]
+:KUBE-IPVS-FILTER - [0:0]
+-A INPUT -j KUBE-SERVICES
+-A INPUT -j KUBE-IPVS-FILTER
+-A FORWARD -j KUBE-FORWARD
+COMMIT
+*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-NODE-PORT - [0:0]
+:KUBE-SVC-XPGD46QRK7WJZT7O - [0:0]
+:KUBE-NODEPORTS - [0:0]
+-A PREROUTING -j KUBE-SERVICES
+-A KUBE-SERVICES -j KUBE-NODE-PORT
+-A OUTPUT -j KUBE-NODEPORTS
+COMMIT
+"""
+
+
+@pytest.mark.parametrize("flavour", ["nft", "legacy"])
+def test_leftovers_of_a_node_running_ipvs_keep_its_chains_by_table(
+    netns: str, flavour: str
+) -> None:
+    """ipvs mode writes some of iptables mode's chain names, in its own tables only: filter
+    KUBE-SERVICES is an iptables-mode leftover beside ipvs mode's nat KUBE-SERVICES."""
+    from kproxy.leftovers import clean_leftovers
+
+    loaded = run_in(netns, f"iptables-{flavour}-restore", "--noflush", input=IPVS_MODE_STATE)
+    assert loaded.returncode == 0, loaded.stderr
+    removed = clean_leftovers("ipvs", iptables_flavour=flavour, netns=netns)
+    chains_gone = {
+        (o.where.rsplit(" ", 1)[1], o.name) for o in removed if o.kind == "iptables-chain"
+    }
+    assert chains_gone == {
+        ("filter", "KUBE-SERVICES"),
+        ("nat", "KUBE-SVC-XPGD46QRK7WJZT7O"),
+        ("nat", "KUBE-NODEPORTS"),
+    }
+    saved = run_in(netns, f"iptables-{flavour}-save").stdout
+    assert "-A INPUT -j KUBE-IPVS-FILTER" in saved and "-A FORWARD -j KUBE-FORWARD" in saved
+    assert "-A KUBE-SERVICES -j KUBE-NODE-PORT" in saved and "KUBE-NODEPORTS" not in saved
+    assert "-A INPUT -j KUBE-SERVICES" not in saved and "KUBE-SVC-" not in saved

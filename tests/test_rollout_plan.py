@@ -163,7 +163,7 @@ def test_the_crd_schema_names_the_fields_and_choices_of_the_spec_model() -> None
     import yaml
 
     from kproxy.cluster.rollout import spec as model
-    from kproxy.config import MODES
+    from kproxy.modes import MODES
 
     crd = yaml.safe_load(
         (Path(__file__).resolve().parent.parent / "deploy/rollout/crd.yaml").read_text()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kproxy.dataplane.base import SyncResult
+from kproxy.dataplane.base import Dataplane, SyncResult
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import snapshot_from_objects
 from kproxy.ops.snapshot import services
@@ -18,7 +18,7 @@ from kproxy.switch import ModeSwitcher, expected_destinations
 from tests.objects import endpoint, endpoint_slice, port, service
 
 
-class Plane:
+class Plane(Dataplane):
     def __init__(self, mode: str, calls: list[str]) -> None:
         self.mode = mode
         self.calls = calls

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kproxy.dataplane.base import SyncError, SyncResult
+from kproxy.dataplane.base import Dataplane, SyncError, SyncResult
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.sources.base import ObjectEvent, ObjectKey
@@ -12,7 +12,7 @@ from kproxy.sync import ProxyLoop, udp_serving_map
 from tests.objects import endpoint, endpoint_slice, port, service
 
 
-class FakeDataplane:
+class FakeDataplane(Dataplane):
     mode = "fake"
 
     def __init__(self) -> None:

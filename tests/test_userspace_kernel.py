@@ -36,35 +36,6 @@ BACKEND = os.environ.get("KPROXY_TEST_IPTABLES_BACKEND", "nft")
 
 BOOTSTRAP = """\
 import sys
-import kproxy.dataplane.base as base
-import kproxy.dataplane.registry as registry
-if "userspace" not in base.AVAILABLE_MODES:
-    base.AVAILABLE_MODES = (*base.AVAILABLE_MODES, "userspace")
-    _create = registry.create_dataplane
-    def create_dataplane(mode, **kw):
-        if mode == "userspace":
-            from kproxy.dataplane.userspace.proxier import create_userspace_dataplane
-            return create_userspace_dataplane(**kw)
-        return _create(mode, **kw)
-    registry.create_dataplane = create_dataplane
-    import kproxy.daemon as daemon
-    import kproxy.leftovers as leftovers
-    _clean = daemon.clean_leftovers
-    def clean_leftovers(mode, *, iptables_flavour=None, netns=None, dry_run=False):
-        if mode != "userspace":
-            return _clean(mode, iptables_flavour=iptables_flavour, netns=netns, dry_run=dry_run)
-        # What leftovers.py needs for userspace: keep this mode's chains in its backend.
-        from kproxy.dataplane.iptables.backend import IptablesBackend
-        from kproxy.dataplane.iptables.cleanup import cleanup
-        from kproxy.dataplane.userspace.proxier import userspace_chain
-        removed = []
-        for flavour in ("nft", "legacy"):
-            keep = userspace_chain if flavour == iptables_flavour else None
-            removed += cleanup(IptablesBackend(flavour, netns=netns), dry_run=dry_run, keep=keep)
-        for step in (leftovers._nft_tables, leftovers._kube_ipvs0, leftovers._ipsets):
-            removed += step(netns, dry_run)
-        return removed
-    daemon.clean_leftovers = clean_leftovers
 from kproxy.cli import main
 sys.argv = ["kproxy", *sys.argv[1:]]
 main()
@@ -72,7 +43,7 @@ main()
 
 
 class UserspaceProxy(ProxyProcess):
-    """`kproxy run --proxy-mode userspace` (through the bootstrap until the mode is wired)."""
+    """`kproxy run --proxy-mode userspace`, started through a bootstrap (`python -c`)."""
 
     def argv(self) -> list[str]:
         argv = super().argv()

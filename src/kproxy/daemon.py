@@ -164,9 +164,7 @@ class Daemon:
         self.agent.start()
 
     def _clean_udp(self, ips: dict[tuple[str, int], set[str]], ports: dict[int, set[str]]) -> int:
-        # In userspace mode the workers move UDP sessions off removed endpoints themselves;
-        # the conntrack entries there are the redirects of live flows.
-        if self.dataplane.mode == "userspace":
+        if self.dataplane.moves_udp_flows:
             return 0
         return cleanup_stale_udp(ips, ports)
 
@@ -402,10 +400,9 @@ class LeftoverCleaner:
 
     def _clean(self) -> None:
         d = self.daemon
-        backend = getattr(d.dataplane, "backend", None)
         removed = clean_leftovers(
             d.dataplane.mode,
-            iptables_flavour=getattr(backend, "flavour", None),
+            iptables_flavour=d.dataplane.iptables_flavour,
             state_dir=d.state_dir,
         )
         release_free_heap()  # the scan read whole rule dumps

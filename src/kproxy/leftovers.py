@@ -3,58 +3,31 @@
 Upstream cleans only the iptables <-> nftables boundary at startup and leaves ipvs
 leftovers (kube-ipvs0, ipsets, chains) for a reboot; kproxy removes every other mode's
 state, kproxy's and upstream kube-proxy's, and nothing that belongs to other software.
-Order matters (field notes, #109286): chains before the ipsets they reference.
+What each mode owns is its spec's word (dataplane/registry.py). Order matters (#109286):
+the chains of every mode first, in both iptables backends (the running mode keeps its
+own), then each other mode's remaining state: ipvs's ipsets after the chains that
+reference them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
-import subprocess
-from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
 from kproxy.dataplane.base import OwnedObject
-from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError
-from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
-from kproxy.dataplane.iptables.cleanup import iptables_mode_chain
-from kproxy.dataplane.userspace.proxier import clean_userspace_leftovers, userspace_chain
-from kproxy.defaults import DEFAULT_STATE_DIR
-from kproxy.host.commands import in_netns
+from kproxy.dataplane.kernel_dump import IPTABLES_FLAVOURS, KernelDump
+from kproxy.dataplane.registry import SPECS
+
+if TYPE_CHECKING:
+    from kproxy.dataplane.iptables.backend import IptablesBackend
 
 log = logging.getLogger("kproxy.leftovers")
 
-# upstream's ipvs-mode ipsets (reference §3), IPv4 and IPv6 names
-IPVS_SETS = (
-    "KUBE-LOOP-BACK",
-    "KUBE-CLUSTER-IP",
-    "KUBE-EXTERNAL-IP",
-    "KUBE-EXTERNAL-IP-LOCAL",
-    "KUBE-LOAD-BALANCER",
-    "KUBE-LOAD-BALANCER-FW",
-    "KUBE-LOAD-BALANCER-LOCAL",
-    "KUBE-LOAD-BALANCER-SOURCE-IP",
-    "KUBE-LOAD-BALANCER-SOURCE-CIDR",
-    "KUBE-NODE-PORT-TCP",
-    "KUBE-NODE-PORT-LOCAL-TCP",
-    "KUBE-NODE-PORT-UDP",
-    "KUBE-NODE-PORT-LOCAL-UDP",
-    "KUBE-NODE-PORT-SCTP-HASH",
-    "KUBE-NODE-PORT-LOCAL-SCTP-HASH",
-    "KUBE-HEALTH-CHECK-NODE-PORT",
-    "KUBE-IPVS-IPS",
-)
-OWNED_SETS = frozenset(IPVS_SETS) | {"KUBE-6-" + s[len("KUBE-") :] for s in IPVS_SETS}
-
-
-def _run(argv: Sequence[str], netns: str | None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(in_netns(argv, netns), capture_output=True, text=True, check=False)
-
 
 def clean_leftovers(
-    mode: str,
+    mode: str | None,
     *,
     iptables_flavour: str | None = None,
     netns: str | None = None,
@@ -63,153 +36,89 @@ def clean_leftovers(
 ) -> list[OwnedObject]:
     """Every other mode's state, removed (or only listed with dry_run). Never raises for one
     failing piece: what could not be removed is logged and the rest still goes."""
-    removed: list[OwnedObject] = []
-    for flavour in ("nft", "legacy"):
-        keep = None
-        if flavour == iptables_flavour:
-            keep = {"iptables": iptables_mode_chain, "userspace": userspace_chain}.get(mode or "")
-        try:
-            backend = IptablesBackend(flavour, netns=netns)
-            if flavour == iptables_flavour and mode == "ipvs":
-                # ipvs mode shares chain names with iptables mode in other tables (filter
-                # KUBE-SERVICES is iptables mode's only): decide per table and chain.
-                removed += _not_ipvs_chains(backend, dry_run)
-            else:
-                removed += iptables_cleanup(backend, dry_run=dry_run, keep=keep)
-            removed += _switch_raw_rules(backend, dry_run)
-        except IptablesError as err:
-            log.warning("could not clean iptables-%s leftovers: %s", flavour, err)
-    if mode != "userspace":
-        removed += clean_userspace_leftovers(
-            state_dir or DEFAULT_STATE_DIR, netns=netns, dry_run=dry_run
-        )
-    if mode != "nftables":
-        removed += _nft_tables(netns, dry_run)
-    if mode != "ipvs":
-        from kproxy.dataplane.ipvs.cleanup import virtual_servers
-
-        # Before kube-ipvs0 and the ipsets go: they say which virtual servers are ours.
-        removed += virtual_servers(netns, dry_run=dry_run)
-        removed += _kube_ipvs0(netns, dry_run)
-        removed += _ipsets(netns, dry_run)
+    dump = KernelDump(netns, state_dir=state_dir)
+    removed = leftovers(dump, mode, iptables_flavour, remove=not dry_run)
     for obj in removed:
         log.info("%s leftover %s", "would remove" if dry_run else "removed", obj)
     return removed
 
 
-def _not_ipvs_chains(backend: IptablesBackend, dry_run: bool) -> list[OwnedObject]:
-    """Every kube-proxy chain of this backend except ipvs mode's (by table and name), and the
-    rules elsewhere that jump into them."""
-    from kproxy.dataplane.iptables.cleanup import cleanup_input, owned_state
-    from kproxy.dataplane.ipvs.cleanup import is_ipvs_chain, rule_target
+def leftovers(
+    dump: KernelDump, mode: str | None, iptables_flavour: str | None, *, remove: bool
+) -> list[OwnedObject]:
+    """What of the dump is not `mode`'s own (None: no mode runs), removed when remove."""
+    return [obj for _owner, obj in leftovers_by_mode(dump, mode, iptables_flavour, remove=remove)]
 
-    def ipvs_owned(obj: OwnedObject) -> bool:
-        table = obj.where.rsplit(" ", 1)[1]
-        name = obj.name if obj.kind == "iptables-chain" else rule_target(obj.name)
-        return is_ipvs_chain(table, name)
 
-    found = [o for o in owned_state(backend) if not ipvs_owned(o)]
-    if found and not dry_run:
-        backend.restore(cleanup_input(found))
+def leftovers_by_mode(
+    dump: KernelDump, mode: str | None, iptables_flavour: str | None, *, remove: bool
+) -> list[tuple[str | None, OwnedObject]]:
+    """leftovers(), each with the mode whose state it is (None: the iptables chains, which
+    several modes share, and what a crashed switch left, which no mode adopts)."""
+    from kproxy.dataplane.iptables.backend import IptablesError
+    from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
+
+    running = SPECS.get(mode or "")
+    found: list[tuple[str | None, OwnedObject]] = []
+    for flavour in IPTABLES_FLAVOURS:
+        backend = dump.iptables(flavour)
+        if backend is None:
+            continue
+        keep = running.keeps_chain if running and flavour == iptables_flavour else None
+        try:
+            found += [(None, o) for o in iptables_cleanup(backend, dry_run=not remove, keep=keep)]
+            found += [(None, o) for o in _switch_rules(dump, backend, remove)]
+        except IptablesError as err:
+            log.warning("could not clean iptables-%s leftovers: %s", flavour, err)
+    found += [(None, o) for o in _switch_anchor(dump, remove)]
+    for spec in SPECS.values():
+        if spec is not running:
+            found += [(spec.name, o) for o in (spec.remove if remove else spec.owned)(dump)]
     return found
 
 
-def _switch_raw_rules(backend: IptablesBackend, dry_run: bool) -> list[OwnedObject]:
+def _switch_rules(dump: KernelDump, backend: IptablesBackend, remove: bool) -> list[OwnedObject]:
     """The raw-table rules a crash during a switch left, in any mode (outside a switch
-    nothing uses them): ipvs mode's datagram hold (ipvs/hold.py; harmless with
-    --queue-bypass) and userspace mode's UDP hand-off (NOTRACK for marked replies). Read
-    without side effects and cheaply: `iptables-nft -S CHAIN` creates no table; legacy's
-    raw table is saved only if it exists (a save of a missing legacy table creates it)."""
-    from kproxy.dataplane.iptables.backend import parse_save
+    nothing uses them): each mode's spec says which are its. Read without side effects
+    and cheaply: `iptables-nft -S CHAIN` creates no table; legacy's raw table is saved
+    only if it exists (a save of a missing legacy table creates it)."""
+    from kproxy.dataplane.iptables.backend import BUILTIN_CHAINS_OF, parse_save
     from kproxy.dataplane.iptables.cleanup import cleanup_input
-    from kproxy.dataplane.ipvs.hold import HOLD_CHAINS, hold_objects
-    from kproxy.dataplane.userspace.render import HANDOFF_COMMENT
 
     if backend.flavour == "legacy":
-        names = _run(["cat", "/proc/net/ip_tables_names"], backend.netns).stdout.split()
-        dump = parse_save(backend.save("raw")).get("raw") if "raw" in names else None
-        rules = sorted(dump.rules) if dump is not None else []
+        names = dump.run(["cat", "/proc/net/ip_tables_names"]).stdout.split()
+        raw = parse_save(backend.save("raw")).get("raw") if "raw" in names else None
+        rules = sorted(raw.rules) if raw is not None else []
     else:
-        rules = sorted(backend.builtin_outlines({"raw": HOLD_CHAINS})["raw"].builtin_rules)
+        outlines = backend.builtin_outlines({"raw": BUILTIN_CHAINS_OF["raw"]})
+        rules = sorted(outlines["raw"].builtin_rules)
     where = f"iptables-{backend.flavour}"
-    found = hold_objects(where, rules)
-    found += [
-        OwnedObject(
-            "iptables-rule",
-            f"{where} raw",
-            rule,
-            "kproxy userspace mode's UDP hand-off of a switch (left by a crash)",
-        )
-        for rule in rules
-        if f'"{HANDOFF_COMMENT}"' in rule
+    found = [
+        obj
+        for spec in SPECS.values()
+        if spec.switch_rules is not None
+        for obj in spec.switch_rules(where, rules)
     ]
-    if found and not dry_run:
+    if found and remove:
         backend.restore(cleanup_input(found))
     return found
 
 
-def _nft_tables(netns: str | None, dry_run: bool) -> list[OwnedObject]:
-    if shutil.which("nft") is None:
-        return []
-    from kproxy.dataplane.nftables.backend import NftBackend, NftError
-    from kproxy.dataplane.nftables.cleanup import cleanup as nft_cleanup
+def _switch_anchor(dump: KernelDump, remove: bool) -> list[OwnedObject]:
+    """The switch's conntrack anchor: only ever a leftover outside a switch (a crash)."""
+    from kproxy.dataplane.nftables.backend import NftError
 
-    backend = NftBackend(netns=netns)
-    removed = nft_cleanup(backend, dry_run=dry_run)
-    # The switch's conntrack anchor: only ever a leftover outside a switch (a crash).
-    # (Looked up by netlink: `nft list tables` dumps every object first, 28 s at 10,000
-    # services on an iptables-nft node.)
     try:
-        anchored = backend.table_exists("ip", ANCHOR_TABLE)
+        anchored = dump.nft_table_exists("ip", ANCHOR_TABLE)
     except NftError as err:
         log.warning("cannot look for the switch anchor table: %s", err)
-        anchored = False
-    if anchored:
-        if not dry_run:
-            _run(["nft", "delete", "table", "ip", ANCHOR_TABLE], netns)
-        removed.append(
-            OwnedObject(
-                "nft-table",
-                "nftables",
-                f"ip {ANCHOR_TABLE}",
-                "kproxy's mode-switch conntrack anchor",
-            )
-        )
-    return removed
-
-
-def _kube_ipvs0(netns: str | None, dry_run: bool) -> list[OwnedObject]:
-    shown = _run(["ip", "-j", "-d", "link", "show", "kube-ipvs0"], netns)
-    if shown.returncode != 0:
         return []
-    try:
-        kind = json.loads(shown.stdout)[0].get("linkinfo", {}).get("info_kind")
-    except (ValueError, IndexError):
-        kind = None
-    if kind != "dummy":
-        log.warning(
-            "kube-ipvs0 exists but is a %s interface, not kube-proxy's dummy: left alone", kind
-        )
+    if not anchored:
         return []
-    if not dry_run:
-        _run(["ip", "link", "delete", "kube-ipvs0"], netns)
+    if remove:
+        dump.run(["nft", "delete", "table", "ip", ANCHOR_TABLE])
     return [
-        OwnedObject("interface", "link", "kube-ipvs0", "kube-proxy ipvs mode's dummy interface")
+        OwnedObject(
+            "nft-table", "nftables", f"ip {ANCHOR_TABLE}", "kproxy's mode-switch conntrack anchor"
+        )
     ]
-
-
-def _ipsets(netns: str | None, dry_run: bool) -> list[OwnedObject]:
-    if shutil.which("ipset") is None:
-        return []
-    names = _run(["ipset", "list", "-n"], netns).stdout.split()
-    out = []
-    for name in names:
-        if name not in OWNED_SETS:
-            continue
-        if not dry_run:
-            done = _run(["ipset", "destroy", name], netns)
-            if done.returncode != 0:
-                log.warning("ipset %s not destroyed: %s", name, done.stderr.strip())
-                continue
-        out.append(OwnedObject("ipset", "ipset", name, "a kube-proxy ipvs mode ipset"))
-    return out

@@ -406,7 +406,7 @@ def render(
     """
     setup_logging(verbose)
     from kproxy.config import rule_options
-    from kproxy.dataplane.iptables.render import render_full
+    from kproxy.dataplane.registry import RenderArgs, mode_spec
     from kproxy.model.snapshot import snapshot_from_objects
     from kproxy.sources.files import load_path
 
@@ -440,28 +440,10 @@ def render(
                 f"kproxy: warning: skipping invalid {rej}", err=True, fg=typer.colors.YELLOW
             )
         facts = _render_facts(node_ip, local_address, random_fully, nfacct, tcp_be_liberal)
-        if config.effective_mode == "nftables":
-            from kproxy.dataplane.nftables.render import render_full as render_nft
-
-            sys.stdout.write(render_nft(snapshot, facts, rule_options(config)))
-        elif config.effective_mode == "userspace":
-            from kproxy.dataplane.userspace.proxier import saved_ports
-            from kproxy.dataplane.userspace.render import parse_port_range, render_text
-
-            text = render_text(
-                snapshot,
-                facts,
-                rule_options(config),
-                previous_ports=saved_ports(DEFAULT_STATE_DIR),
-                port_range=parse_port_range(config.port_range),
-            )
-            sys.stdout.write(text)
-        elif config.effective_mode == "ipvs":
-            from kproxy.dataplane.ipvs.render import render_text as render_ipvs
-
-            sys.stdout.write(render_ipvs(snapshot, facts, rule_options(config)))
-        else:
-            sys.stdout.write(render_full(snapshot, facts, rule_options(config)))
+        given = RenderArgs(
+            snapshot, facts, rule_options(config), DEFAULT_STATE_DIR, config.port_range
+        )
+        sys.stdout.write(mode_spec(config.effective_mode).render(given))
     except UsageError as err:
         raise fail(str(err)) from None
 

@@ -30,19 +30,19 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol as Interface
 
 from kproxy.conntrack import delete_unreplied_syn_to
 from kproxy.dataplane.anchor import ConntrackAnchor
 from kproxy.dataplane.base import (
-    VALID_MODES,
     Dataplane,
     DataplaneUnavailable,
+    Draining,
     OwnedObject,
     SyncError,
 )
 from kproxy.memory import release_free_heap
 from kproxy.model.objects import Protocol, Snapshot
+from kproxy.modes import MODES
 from kproxy.ops.snapshot import ServiceKey, plane_services
 from kproxy.ops.snapshot_file import write_node_snapshot
 
@@ -88,23 +88,13 @@ class SwitchReport:
         return asdict(self)
 
 
-class Draining(Interface):
-    """What a retired mode keeps until it is idle (ipvs/drain.Draining)."""
-
-    @property
-    def done(self) -> bool: ...
-    def summary(self) -> str: ...
-    def run(self, stop: threading.Event) -> None: ...
-
-
 class SwitchFailed(Exception):
     """A step failed; the message says which and why."""
 
 
 def plane_name(dp: Dataplane) -> str:
     """The dataplane's key in ops.snapshot.services()."""
-    backend = getattr(dp, "backend", None)
-    flavour = getattr(backend, "flavour", None)
+    flavour = dp.iptables_flavour
     return f"{dp.mode}-{flavour}" if dp.mode in ("iptables", "userspace") and flavour else dp.mode
 
 
@@ -145,13 +135,6 @@ def removed_sample(removed: list[OwnedObject], limit: int = REMOVED_IN_REPORT) -
     per_kind = max(1, limit // max(1, len(by_kind)))
     sample = [obj for objs in by_kind.values() for obj in objs[:per_kind]]
     return [str(o) for o in sample[: max(limit, len(by_kind))]]
-
-
-def _release(dp: Dataplane) -> None:
-    """Let go of what a retired dataplane holds in this process (userspace's controller lock)."""
-    close = getattr(dp, "close", None)
-    if close is not None:
-        close()
 
 
 class ModeSwitcher:
@@ -271,8 +254,8 @@ class ModeSwitcher:
     # --- steps -------------------------------------------------------------------------------
 
     def _check(self, old: Dataplane, to: str) -> str:
-        if to not in VALID_MODES:
-            raise SwitchFailed(f"unknown mode {to!r}: valid modes are {', '.join(VALID_MODES)}")
+        if to not in MODES:
+            raise SwitchFailed(f"unknown mode {to!r}: valid modes are {', '.join(MODES)}")
         if to == old.mode:
             raise SwitchFailed(f"already in {to} mode")
         return f"{old.mode} -> {to}"
@@ -379,14 +362,8 @@ class ModeSwitcher:
     def _remove(self, old: Dataplane, report: SwitchReport) -> str:
         # ipvs mode translates its connections itself: deleting its busy virtual servers
         # would reset them, so it retires (keeps those until they drain) instead.
-        retire: Callable[[], tuple[list[OwnedObject], Draining]] | None = getattr(
-            old, "retire", None
-        )
-        if retire is None:
-            removed, draining = old.cleanup(), None
-        else:
-            removed, draining = retire()
-        _release(old)
+        removed, draining = old.retire()
+        old.close()
         report.removed = removed_sample(removed)
         report.removed_total = len(removed)
         for obj in removed:
@@ -430,7 +407,7 @@ class ModeSwitcher:
         if new is not None:
             try:
                 new.cleanup()
-                _release(new)
+                new.close()
             except Exception as err:  # keep rolling back; report it
                 log.error("could not remove the new mode's state: %s", err)
                 report.error = f"{report.error}; removing {new.mode}'s state also failed: {err}"

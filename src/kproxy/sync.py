@@ -160,9 +160,7 @@ class ProxyLoop:
             )
             if self._distrust:
                 self._distrust = False
-                distrust = getattr(self.dataplane, "distrust_kernel", None)
-                if distrust is not None:
-                    distrust()
+                self.dataplane.distrust_kernel()
             started = time.monotonic()
             try:
                 result = self.dataplane.sync(snapshot, full=full)

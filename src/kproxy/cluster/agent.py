@@ -49,7 +49,7 @@ from kproxy.cluster.annotations import (
 )
 from kproxy.cluster.duties import RolloutDuties, RolloutNode
 from kproxy.cluster.events import EVENT_NAMESPACE, event_body, node_ref
-from kproxy.dataplane.base import VALID_MODES
+from kproxy.modes import MODES
 from kproxy.sources.api import ApiSource
 from kproxy.sources.kubeclient import ApiError, json_request
 from kproxy.sources.reflector import TRANSIENT, Backoff, describe_error
@@ -159,10 +159,10 @@ class ClusterAgent:
         self.observed = want or ""
         target = want or self.configured_mode
         current = self.daemon.mode
-        if target not in VALID_MODES:
+        if target not in MODES:
             self._failed(
                 target,
-                f"{MODE_ANNOTATION}: {target!r} is not a proxy mode ({', '.join(VALID_MODES)})",
+                f"{MODE_ANNOTATION}: {target!r} is not a proxy mode ({', '.join(MODES)})",
             )
             return
         if target == current:

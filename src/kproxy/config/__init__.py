@@ -58,7 +58,6 @@ from kproxy.config.schema import (
     DETECT_LOCAL_MODES,
     IPVS_SCHEDULERS,
     KIND,
-    MODES,
     ClientConnectionConfig,
     ConntrackConfig,
     DetectLocalConfig,
@@ -68,6 +67,7 @@ from kproxy.config.schema import (
     ProxyConfig,
 )
 from kproxy.config.validation import validate_config
+from kproxy.modes import MODES
 
 __all__ = [
     "API_VERSION",

@@ -25,8 +25,7 @@ from kproxy.config.durations import format_duration, parse_duration
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
 
-# kproxy's modes; "" means iptables. Whether a mode is built in is checked elsewhere.
-MODES = ("iptables", "nftables", "ipvs", "userspace")
+# kproxy's modes are kproxy/modes.py's MODES; "" means iptables.
 DEFAULT_MODE = "iptables"
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")

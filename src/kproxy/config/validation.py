@@ -15,10 +15,10 @@ from kproxy.config.problems import show_value, suggest
 from kproxy.config.schema import (
     DETECT_LOCAL_MODES,
     IPVS_SCHEDULERS,
-    MODES,
     NODE_PORT_ADDRESSES_PRIMARY,
     ProxyConfig,
 )
+from kproxy.modes import MODES
 
 
 def validate_config(config: ProxyConfig) -> list[str]:

@@ -1,18 +1,21 @@
-"""What every proxy mode implements, and the registry of modes this build provides.
+"""What every proxy mode implements, and which modes this build provides.
 
-The sync loop, the live switch and the inspectors talk to a mode only through this
-interface: sync a snapshot (full or partial), say what it owns, clean it up.
+The sync loop, the live switch and the inspectors talk to a mode only through the
+Dataplane class: sync a snapshot (full or partial), say what it owns, clean it up. Its
+optional capabilities have defaults here, so callers never ask whether a mode has them.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kproxy.model.objects import Snapshot
+from kproxy.modes import MODES
 
-VALID_MODES = ("iptables", "nftables", "ipvs", "userspace")
-AVAILABLE_MODES = ("iptables", "nftables", "ipvs", "userspace")
+# The modes this build provides: all of kproxy's (a build without one drops it here).
+AVAILABLE_MODES: tuple[str, ...] = MODES
 
 
 class DataplaneUnavailable(Exception):
@@ -57,24 +60,62 @@ class OwnedObject:
         return f"{self.kind} {self.where} {self.name}: {self.reason}"
 
 
-class Dataplane(Protocol):
-    mode: str
+class Draining(Protocol):
+    """What a retired mode keeps until it is idle (ipvs/drain.Draining)."""
 
-    def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult: ...
+    @property
+    def done(self) -> bool: ...
+    def summary(self) -> str: ...
+    def run(self, stop: threading.Event) -> None: ...
+
+
+class Dataplane:
+    """A proxy mode's dataplane. Each mode subclasses it; the methods that raise are the
+    ones every mode implements, the others are defaults a mode overrides when it can."""
+
+    mode: str
+    # Whether the mode itself moves UDP flows off removed endpoints (userspace's workers do:
+    # the conntrack entries there are redirects of live flows, which the sync loop's stale
+    # UDP cleanup must not delete).
+    moves_udp_flows: bool = False
+
+    def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult:
+        raise NotImplementedError
 
     def drifted(self) -> bool:
         """Did someone else remove our state (e.g. a firewall reload)? Then a full sync is due."""
+        raise NotImplementedError
 
     def detach(self) -> None:
         """Take this mode out of the packet path in one atomic step (its entry points: jumps,
         base chains). Its other state stays until cleanup(); established connections keep
         their conntrack translation. A later sync(full=True) attaches it again."""
+        raise NotImplementedError
 
     def owned(self) -> list[OwnedObject]:
         """Kernel state of this mode that exists now (kproxy's or upstream kube-proxy's)."""
+        raise NotImplementedError
 
     def cleanup(self, *, dry_run: bool = False) -> list[OwnedObject]:
         """Remove this mode's state (only ours); returns what was (or would be) removed."""
+        raise NotImplementedError
+
+    def retire(self) -> tuple[list[OwnedObject], Draining | None]:
+        """cleanup() for a live switch away from this mode: what was removed, and what
+        stays until its connections end (None: nothing; only ipvs mode keeps some)."""
+        return self.cleanup(), None
+
+    def close(self) -> None:
+        """Let go of what this dataplane holds in this process (sockets, locks)."""
+
+    def distrust_kernel(self) -> None:
+        """Make the next full sync read and rewrite everything (an operator asked for it);
+        a mode that always does is fine with this default."""
+
+    @property
+    def iptables_flavour(self) -> str | None:
+        """The iptables backend this mode writes with ("nft", "legacy"), if it writes any."""
+        return None
 
 
 def check_mode_available(mode: str) -> None:

@@ -1,22 +1,232 @@
-"""Build the dataplane of a mode: the one place that knows which modes exist in this build."""
+"""The proxy modes of this build, one spec each: the one place that knows which modes exist
+and where each one's pieces are.
+
+A spec names functions of its mode's package without importing it: `kproxy run` imports
+only the mode it runs (and the others' cleanup modules once it looks for their leftovers).
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kproxy.dataplane.base import AVAILABLE_MODES, Dataplane, check_mode_available
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
-from kproxy.dataplane.iptables.backend import IptablesBackend, detect_backend
+
+if TYPE_CHECKING:
+    from kproxy.dataplane.base import OwnedObject
+    from kproxy.dataplane.kernel_dump import KernelDump
+    from kproxy.model.objects import Snapshot
 
 log = logging.getLogger("kproxy.dataplane")
 
 
-def iptables_backend(choice: str, netns: str | None = None) -> IptablesBackend:
-    """auto (detect like upstream), nft or legacy."""
-    if choice not in ("auto", "nft", "legacy"):
-        raise ValueError(f"--iptables-backend: invalid value {choice!r}: use auto, nft or legacy")
-    return IptablesBackend(detect_backend(netns) if choice == "auto" else choice, netns=netns)
+@dataclass(frozen=True)
+class CreateArgs:
+    """What every mode's factory is given (each takes what it needs)."""
+
+    options: RuleOptions
+    node_ips: tuple[str, ...] = ()
+    iptables_backend_choice: str = "auto"
+    state_dir: Path | None = None
+    port_range: str = ""
+
+
+@dataclass(frozen=True)
+class RenderArgs:
+    """What `kproxy render` gives every mode's renderer."""
+
+    snapshot: Snapshot
+    facts: NodeFacts
+    options: RuleOptions
+    state_dir: Path
+    port_range: str = ""
+
+
+Leftovers = Callable[["KernelDump"], list["OwnedObject"]]
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    # The dataplane in the current network namespace, and the node facts it uses.
+    create: Callable[[CreateArgs], tuple[Dataplane, NodeFacts]]
+    # What a full sync onto a fresh node programs, as text.
+    render: Callable[[RenderArgs], str]
+    # The iptables chains (table, name) this mode writes: while it runs, the leftover cleanup
+    # of its own iptables backend keeps them (every other kube-proxy chain goes).
+    keeps_chain: Callable[[str, str], bool] | None
+    # What of this mode, besides its chains, a kernel dump holds (nothing is changed) ...
+    owned: Leftovers
+    # ... and the same removed, in an order that works; returns what went.
+    remove: Leftovers
+    # Raw-table rules this mode adds only during a switch (in any mode a leftover of a crash):
+    # (where, rules) -> the ones that are this mode's.
+    switch_rules: Callable[[str, list[str]], list[OwnedObject]] | None = None
+
+
+def _lazy(target: str, **bound: Any) -> Callable[..., Any]:
+    """module:function, imported at its first call."""
+    module, _, name = target.partition(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **bound, **kwargs)
+
+    call.__qualname__ = call.__name__ = target
+    return call
+
+
+def _none(_dump: KernelDump) -> list[OwnedObject]:
+    return []
+
+
+# --- factories and renderers ------------------------------------------------------------------
+
+
+def _create_iptables(a: CreateArgs) -> tuple[Dataplane, NodeFacts]:
+    from kproxy.dataplane.iptables.backend import chosen_backend
+    from kproxy.dataplane.iptables.proxier import IptablesDataplane
+    from kproxy.dataplane.nodefacts import detect_node_facts
+
+    backend = chosen_backend(a.iptables_backend_choice)
+    facts = detect_node_facts(backend=backend, node_ips=a.node_ips)
+    log.info("iptables backend %s, random-fully %s", backend.flavour, facts.random_fully)
+    return IptablesDataplane(backend, facts, a.options, state_dir=a.state_dir), facts
+
+
+def _create_nftables(a: CreateArgs) -> tuple[Dataplane, NodeFacts]:
+    from kproxy.dataplane.iptables.backend import IptablesBackend
+    from kproxy.dataplane.nftables.proxier import NftablesDataplane
+    from kproxy.dataplane.nodefacts import detect_node_facts
+
+    NftablesDataplane.check()
+    # No iptables backend detection: nftables mode writes no iptables rule, and the
+    # detection's iptables-nft-save reads the whole ip family, this mode's own table
+    # included (1.6 s at 10,000 services, on every restart).
+    facts = detect_node_facts(backend=IptablesBackend("nft"), node_ips=a.node_ips)
+    return NftablesDataplane(facts, a.options, state_dir=a.state_dir), facts
+
+
+def _create_ipvs(a: CreateArgs) -> tuple[Dataplane, NodeFacts]:
+    from kproxy.dataplane.ipvs.proxier import create_ipvs_dataplane
+
+    return create_ipvs_dataplane(
+        options=a.options,
+        node_ips=a.node_ips,
+        iptables_backend_choice=a.iptables_backend_choice,
+        state_dir=a.state_dir,
+    )
+
+
+def _create_userspace(a: CreateArgs) -> tuple[Dataplane, NodeFacts]:
+    from kproxy.dataplane.userspace.proxier import create_userspace_dataplane
+
+    return create_userspace_dataplane(
+        options=a.options,
+        node_ips=a.node_ips,
+        iptables_backend_choice=a.iptables_backend_choice,
+        state_dir=a.state_dir,
+        port_range=a.port_range,
+    )
+
+
+def _render_iptables(a: RenderArgs) -> str:
+    from kproxy.dataplane.iptables.render import render_full
+
+    return render_full(a.snapshot, a.facts, a.options)
+
+
+def _render_nftables(a: RenderArgs) -> str:
+    from kproxy.dataplane.nftables.render import render_full
+
+    return render_full(a.snapshot, a.facts, a.options)
+
+
+def _render_ipvs(a: RenderArgs) -> str:
+    from kproxy.dataplane.ipvs.render import render_text
+
+    return render_text(a.snapshot, a.facts, a.options)
+
+
+def _render_userspace(a: RenderArgs) -> str:
+    from kproxy.dataplane.userspace.proxier import saved_ports
+    from kproxy.dataplane.userspace.render import parse_port_range, render_text
+
+    return render_text(
+        a.snapshot,
+        a.facts,
+        a.options,
+        previous_ports=saved_ports(a.state_dir),
+        port_range=parse_port_range(a.port_range),
+    )
+
+
+# --- the specs --------------------------------------------------------------------------------
+
+
+def _leftovers(module: str) -> tuple[Leftovers, Leftovers]:
+    """owned and remove of a cleanup module's leftovers(dump, *, remove)."""
+    return _lazy(f"{module}:leftovers", remove=False), _lazy(f"{module}:leftovers", remove=True)
+
+
+_IPVS_OWNED, _IPVS_REMOVE = _leftovers("kproxy.dataplane.ipvs.cleanup")
+_NFT_OWNED, _NFT_REMOVE = _leftovers("kproxy.dataplane.nftables.cleanup")
+_USERSPACE_OWNED, _USERSPACE_REMOVE = _leftovers("kproxy.dataplane.userspace.cleanup")
+
+# In the order leftovers go (after the iptables chains of every mode): ipvs's ipsets
+# after the chains that reference them.
+_SPECS = (
+    ModeSpec(
+        "iptables",
+        create=_create_iptables,
+        render=_render_iptables,
+        keeps_chain=_lazy("kproxy.dataplane.iptables.cleanup:keeps_chain"),
+        owned=_none,  # nothing but chains
+        remove=_none,
+    ),
+    ModeSpec(
+        "nftables",
+        create=_create_nftables,
+        render=_render_nftables,
+        keeps_chain=None,
+        owned=_NFT_OWNED,
+        remove=_NFT_REMOVE,
+    ),
+    ModeSpec(
+        "ipvs",
+        create=_create_ipvs,
+        render=_render_ipvs,
+        keeps_chain=_lazy("kproxy.dataplane.ipvs.cleanup:is_ipvs_chain"),
+        owned=_IPVS_OWNED,
+        remove=_IPVS_REMOVE,
+        switch_rules=_lazy("kproxy.dataplane.ipvs.hold:hold_objects"),
+    ),
+    ModeSpec(
+        "userspace",
+        create=_create_userspace,
+        render=_render_userspace,
+        keeps_chain=_lazy("kproxy.dataplane.userspace.cleanup:keeps_chain"),
+        owned=_USERSPACE_OWNED,
+        remove=_USERSPACE_REMOVE,
+        switch_rules=_lazy("kproxy.dataplane.userspace.render:handoff_objects"),
+    ),
+)
+SPECS: Mapping[str, ModeSpec] = {s.name: s for s in _SPECS if s.name in AVAILABLE_MODES}
+
+
+def mode_spec(mode: str) -> ModeSpec:
+    """The spec of an available mode (DataplaneUnavailable otherwise)."""
+    check_mode_available(mode)
+    try:
+        return SPECS[mode]
+    except KeyError:
+        raise AssertionError(
+            f"mode {mode!r} is listed as available ({AVAILABLE_MODES}) but not built"
+        ) from None
 
 
 def create_dataplane(
@@ -29,42 +239,10 @@ def create_dataplane(
     port_range: str = "",
 ) -> tuple[Dataplane, NodeFacts]:
     """The dataplane for `mode` in the current network namespace, and the facts it uses."""
-    check_mode_available(mode)
-    from kproxy.dataplane.nodefacts import detect_node_facts
+    spec = mode_spec(mode)
+    return spec.create(
+        CreateArgs(options, node_ips, iptables_backend_choice, state_dir, port_range)
+    )
 
-    if mode == "iptables":
-        from kproxy.dataplane.iptables.proxier import IptablesDataplane
 
-        backend = iptables_backend(iptables_backend_choice)
-        facts = detect_node_facts(backend=backend, node_ips=node_ips)
-        log.info("iptables backend %s, random-fully %s", backend.flavour, facts.random_fully)
-        return IptablesDataplane(backend, facts, options, state_dir=state_dir), facts
-    if mode == "nftables":
-        from kproxy.dataplane.nftables.proxier import NftablesDataplane
-
-        NftablesDataplane.check()
-        # No iptables backend detection: nftables mode writes no iptables rule, and the
-        # detection's iptables-nft-save reads the whole ip family, this mode's own table
-        # included (1.6 s at 10,000 services, on every restart).
-        facts = detect_node_facts(backend=IptablesBackend("nft"), node_ips=node_ips)
-        return NftablesDataplane(facts, options, state_dir=state_dir), facts
-    if mode == "userspace":
-        from kproxy.dataplane.userspace.proxier import create_userspace_dataplane
-
-        return create_userspace_dataplane(
-            options=options,
-            node_ips=node_ips,
-            iptables_backend_choice=iptables_backend_choice,
-            state_dir=state_dir,
-            port_range=port_range,
-        )
-    if mode == "ipvs":
-        from kproxy.dataplane.ipvs.proxier import create_ipvs_dataplane
-
-        return create_ipvs_dataplane(
-            options=options,
-            node_ips=node_ips,
-            iptables_backend_choice=iptables_backend_choice,
-            state_dir=state_dir,
-        )
-    raise AssertionError(f"mode {mode!r} is listed as available ({AVAILABLE_MODES}) but not built")
+__all__ = ["SPECS", "CreateArgs", "ModeSpec", "RenderArgs", "create_dataplane", "mode_spec"]

@@ -26,7 +26,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kproxy.config import MODES, format_duration, parse_duration
+from kproxy.config import format_duration, parse_duration
+from kproxy.modes import MODES
 
 GROUP = "proxy.kproxy.io"
 VERSION = "v1alpha1"

@@ -610,6 +610,13 @@ def _slice_table(save_output: str, table: str) -> str:
     return "".join(out)
 
 
+def chosen_backend(choice: str, netns: str | None = None) -> IptablesBackend:
+    """The backend --iptables-backend names: auto (detect like upstream), nft or legacy."""
+    if choice not in ("auto", "nft", "legacy"):
+        raise ValueError(f"--iptables-backend: invalid value {choice!r}: use auto, nft or legacy")
+    return IptablesBackend(detect_backend(netns) if choice == "auto" else choice, netns=netns)
+
+
 def detect_backend(netns: str | None = None, *, runner: Runner | None = None) -> str:
     """Which iptables backend ("nft" or "legacy") the node already uses.
 

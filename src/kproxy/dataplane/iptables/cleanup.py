@@ -50,8 +50,7 @@ KUBE_PROXY_CHAINS = frozenset(
         "KUBE-NODEPORT-NON-LOCAL",
     }
 )
-# Chains that look like ours but belong to kubelet (kube-proxy's own cleanup keeps them too).
-# The chains each mode writes itself (a leftover cleanup in that mode keeps these).
+# The chains iptables mode writes itself (a leftover cleanup in that mode keeps these).
 IPTABLES_MODE_CHAINS = frozenset(
     {
         "KUBE-SERVICES",
@@ -70,6 +69,14 @@ def iptables_mode_chain(chain: str) -> bool:
     return chain in IPTABLES_MODE_CHAINS or names.is_service_chain(chain)
 
 
+def keeps_chain(_table: str, chain: str) -> bool:
+    """The chains a leftover cleanup keeps while iptables mode runs (in any table)."""
+    return iptables_mode_chain(chain)
+
+
+# A chain the running mode keeps, by table and name (ipvs mode's depend on the table).
+KeepChain = Callable[[str, str], bool]
+# Chains that look like ours but belong to kubelet (kube-proxy's own cleanup keeps them too).
 KUBELET_CHAINS = frozenset(
     {"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-MARK-DROP", "KUBE-IPTABLES-HINT"}
 )
@@ -88,12 +95,10 @@ def _target(rule: str) -> str:
     return m.group(1) if m else ""
 
 
-def owned_state(
-    backend: IptablesBackend, keep: Callable[[str], bool] | None = None
-) -> list[OwnedObject]:
+def owned_state(backend: IptablesBackend, keep: KeepChain | None = None) -> list[OwnedObject]:
     """Our chains and the rules elsewhere that jump into them, in one backend.
 
-    keep(chain) marks chains the running mode still uses: they are not listed, nor are
+    keep(table, chain) marks chains the running mode still uses: they are not listed, nor are
     jumps into them; rules of kept chains that jump into a listed chain are listed (they
     would stop the chain from being deleted).
 
@@ -105,13 +110,14 @@ def owned_state(
     except IptablesError as err:
         log.warning("cannot read %s rules: %s", where, err)
         return []
-    kept = keep or (lambda _: False)
-    verdicts: dict[str, bool] = {}
+    kept = keep or (lambda _t, _c: False)
+    verdicts: dict[tuple[str, str], bool] = {}
 
-    def goes(chain: str) -> bool:
-        verdict = verdicts.get(chain)
+    def goes(table: str, chain: str) -> bool:
+        verdict = verdicts.get((table, chain))
         if verdict is None:
-            verdict = verdicts[chain] = is_owned_chain(chain) and not kept(chain)
+            verdict = is_owned_chain(chain) and not kept(table, chain)
+            verdicts[table, chain] = verdict
         return verdict
 
     rules: list[OwnedObject] = []
@@ -145,7 +151,7 @@ def owned_state(
                     rules.append(OwnedObject("iptables-rule", f"{where} {table}", line, why))
         elif first == ":":
             chain = line[1:].partition(" ")[0]
-            if table in TABLES and goes(chain):
+            if table in TABLES and goes(table, chain):
                 going.add(chain)
                 chains.append(OwnedObject("iptables-chain", f"{where} {table}", chain, _why(chain)))
         elif first == "*":
@@ -187,7 +193,7 @@ def cleanup_input(owned: list[OwnedObject]) -> str:
 
 
 def cleanup(
-    backend: IptablesBackend, *, dry_run: bool = False, keep: Callable[[str], bool] | None = None
+    backend: IptablesBackend, *, dry_run: bool = False, keep: KeepChain | None = None
 ) -> list[OwnedObject]:
     done: list[OwnedObject] = []
     if backend.flavour == "nft" and not dry_run:
@@ -204,7 +210,7 @@ NETLINK_BATCH = 2000  # messages per nfnetlink batch (~120 KB, under the socket'
 
 
 def remove_over_netlink(
-    backend: IptablesBackend, keep: Callable[[str], bool] | None = None
+    backend: IptablesBackend, keep: KeepChain | None = None
 ) -> tuple[list[OwnedObject], bool]:
     """iptables-nft only: what owned_state() + one restore remove, without either. At
     10,000 services `iptables-nft-save` takes 8-14 s and `iptables-nft-restore` of the
@@ -223,7 +229,7 @@ def remove_over_netlink(
     )
 
     where = f"iptables-{backend.flavour}"
-    kept = keep or (lambda _: False)
+    kept = keep or (lambda _t, _c: False)
     try:
         client = NftNetlink(backend.netns)
     except OSError as err:
@@ -241,7 +247,7 @@ def remove_over_netlink(
             return [], True
         listed = client.chains_by_table()
         for table in TABLES:
-            found = [c for c in listed.get(table, []) if is_owned_chain(c) and not kept(c)]
+            found = [c for c in listed.get(table, []) if is_owned_chain(c) and not kept(table, c)]
             if found:
                 going[table] = sorted(found)
         if not going:

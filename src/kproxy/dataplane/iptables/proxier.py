@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kproxy.dataplane.base import OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.base import Dataplane, OwnedObject, SyncError, SyncResult
 from kproxy.dataplane.custody import Custody
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables import names
@@ -81,7 +81,7 @@ class AppliedState:
     nat_top_rules: list[str]
 
 
-class IptablesDataplane:
+class IptablesDataplane(Dataplane):
     mode = "iptables"
 
     def __init__(
@@ -309,6 +309,10 @@ class IptablesDataplane:
             )
         return pieces
 
+    @property
+    def iptables_flavour(self) -> str:
+        return self.backend.flavour
+
     def drifted(self) -> bool:
         """True when the kernel lost our state behind our back (the canary chain is gone)."""
         if self._applied is None or self._custody.holds():
@@ -406,13 +410,13 @@ class IptablesDataplane:
         serving right now: a switch to userspace mode shares the backend)."""
         from kproxy.dataplane.iptables.cleanup import iptables_mode_chain, owned_state
 
-        return owned_state(self.backend, keep=lambda chain: not iptables_mode_chain(chain))
+        return owned_state(self.backend, keep=lambda _t, chain: not iptables_mode_chain(chain))
 
     def cleanup(self, *, dry_run: bool = False) -> list[OwnedObject]:
         from kproxy.dataplane.iptables.cleanup import cleanup, iptables_mode_chain
 
         return cleanup(
-            self.backend, dry_run=dry_run, keep=lambda chain: not iptables_mode_chain(chain)
+            self.backend, dry_run=dry_run, keep=lambda _t, chain: not iptables_mode_chain(chain)
         )
 
 

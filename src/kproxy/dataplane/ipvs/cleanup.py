@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from kproxy.dataplane.ipvs.dummy import DummyDevice
     from kproxy.dataplane.ipvs.ipset import IpsetClient
     from kproxy.dataplane.ipvs.netlink import IpvsNetlink
+    from kproxy.dataplane.kernel_dump import KernelDump
 
 log = logging.getLogger("kproxy.ipvs.cleanup")
 
@@ -115,6 +116,8 @@ def rule_target(rule: str) -> str:
 
 
 def is_ipvs_chain(table: str, chain: str) -> bool:
+    """ipvs mode's chains (a leftover cleanup keeps them while it runs): by table, as
+    iptables mode writes some of the names in other tables (filter KUBE-SERVICES)."""
     return (table == "nat" and chain in n.NAT_CHAINS) or (
         table == "filter" and chain in n.FILTER_CHAINS
     )
@@ -291,8 +294,7 @@ def remove_ipsets(
         existing = client.names()
     except (IpsetError, OSError):
         return []
-    ours = set(n.SET_NAMES) | set(n.IPV6_SET_NAMES)
-    going = [name for name in existing if name in ours]
+    going = [name for name in existing if name in n.OWNED_SET_NAMES]
     if going and not dry_run:
         try:
             client.restore([f"destroy {name}" for name in going])  # one process for all
@@ -329,3 +331,15 @@ def cleanup(
     removed += remove_dummy(netns, dry_run=dry_run, dummy=clients.dummy if clients else None)
     removed += remove_ipsets(netns, dry_run=dry_run, ipset=clients.ipset if clients else None)
     return removed
+
+
+def leftovers(dump: KernelDump, *, remove: bool) -> list[OwnedObject]:
+    """ipvs mode's state besides its chains (which the iptables cleanup of every mode
+    takes), removed unless not remove. The virtual servers go first: kube-ipvs0 and the
+    ipsets say which of them are ours."""
+    dry_run = not remove
+    return (
+        virtual_servers(dump.netns, dry_run=dry_run)
+        + remove_dummy(dump.netns, dry_run=dry_run)
+        + remove_ipsets(dump.netns, dry_run=dry_run)
+    )

@@ -147,6 +147,8 @@ SET_INFO: Final = {s.name: s for s in SETS}
 SET_NAMES: Final = tuple(s.name for s in SETS)
 # IPv6 copies upstream creates in dual-stack clusters (KUBE-6-..., at most 31 characters).
 IPV6_SET_NAMES: Final = tuple(("KUBE-6-" + n[len("KUBE-") :])[:31] for n in SET_NAMES)
+# Every ipset name of ipvs mode: what a cleanup may destroy, and nothing else.
+OWNED_SET_NAMES: Final = frozenset(SET_NAMES) | frozenset(IPV6_SET_NAMES)
 
 NODE_PORT_SETS: Final = {"TCP": NODE_PORT_TCP, "UDP": NODE_PORT_UDP, "SCTP": NODE_PORT_SCTP}
 NODE_PORT_LOCAL_SETS: Final = {

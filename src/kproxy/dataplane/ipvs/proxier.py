@@ -43,12 +43,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kproxy.conntrack import Conntrack, ConntrackError, DeleteFilter
-from kproxy.dataplane.base import DataplaneUnavailable, OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.base import (
+    Dataplane,
+    DataplaneUnavailable,
+    OwnedObject,
+    SyncError,
+    SyncResult,
+)
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import (
     IptablesBackend,
     IptablesError,
     RestoreError,
+    chosen_backend,
     parse_save,
 )
 from kproxy.dataplane.ipvs import cleanup as ipvs_cleanup
@@ -89,7 +96,7 @@ class Op:
     commit: Callable[[KernelState], None]
 
 
-class IpvsDataplane:
+class IpvsDataplane(Dataplane):
     mode = "ipvs"
 
     def __init__(
@@ -532,7 +539,11 @@ class IpvsDataplane:
         """Real servers at weight 0 waiting for their connections to end (since when)."""
         return dict(self._graceful)
 
-    # --- the rest of the Dataplane protocol ---------------------------------------------------
+    # --- the rest of the Dataplane class ------------------------------------------------------
+
+    @property
+    def iptables_flavour(self) -> str:
+        return self.backend.flavour
 
     def drifted(self) -> bool:
         """Our state is gone behind our back: the nat KUBE-SERVICES chain or kube-ipvs0."""
@@ -781,10 +792,9 @@ def create_ipvs_dataplane(
     never a fallback), set upstream's sysctls, build the dataplane."""
     from kproxy.dataplane.ipvs.check import check_ipvs_support
     from kproxy.dataplane.nodefacts import detect_node_facts
-    from kproxy.dataplane.registry import iptables_backend
 
     check_ipvs_support(options.ipvs_scheduler, netns=netns)
-    backend = iptables_backend(iptables_backend_choice, netns)
+    backend = chosen_backend(iptables_backend_choice, netns)
     facts = detect_node_facts(netns=netns, backend=backend, node_ips=node_ips)
     try:
         dataplane = IpvsDataplane(backend, facts, options, netns=netns, state_dir=state_dir)

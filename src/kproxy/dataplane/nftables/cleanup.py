@@ -12,12 +12,15 @@ apart from kproxy's prefix.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
 from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.nftables import names as n
 from kproxy.dataplane.nftables.backend import NftError, TableRef
+
+if TYPE_CHECKING:
+    from kproxy.dataplane.kernel_dump import KernelDump
 
 log = logging.getLogger("kproxy.nftables.cleanup")
 
@@ -66,3 +69,9 @@ def cleanup(backend: TableBackend, *, dry_run: bool = False) -> list[OwnedObject
         family, name = obj.name.split(" ", 1)
         backend.delete_table(family, name)
     return owned
+
+
+def leftovers(dump: KernelDump, *, remove: bool) -> list[OwnedObject]:
+    """The tables of nftables mode in a dump, deleted unless not remove."""
+    tables = dump.nft_tables()
+    return [] if tables is None else cleanup(tables, dry_run=not remove)

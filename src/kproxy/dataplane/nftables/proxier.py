@@ -43,7 +43,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
-from kproxy.dataplane.base import DataplaneUnavailable, OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.base import (
+    Dataplane,
+    DataplaneUnavailable,
+    OwnedObject,
+    SyncError,
+    SyncResult,
+)
 from kproxy.dataplane.custody import Custody
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.nftables import names as n
@@ -149,7 +155,7 @@ def check_nftables(
         )
 
 
-class NftablesDataplane:
+class NftablesDataplane(Dataplane):
     mode = "nftables"
 
     def __init__(

@@ -25,15 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from kproxy.conntrack import Conntrack, ConntrackEntry, ConntrackError, DeleteFilter
-from kproxy.dataplane.base import OwnedObject, SyncError, SyncResult
+from kproxy.dataplane.base import Dataplane, OwnedObject, SyncError, SyncResult
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import (
     IptablesBackend,
     IptablesError,
     RestoreError,
+    chosen_backend,
     rule_spec,
 )
 from kproxy.dataplane.userspace import fdlimit, render
+from kproxy.dataplane.userspace.cleanup import OUR_CHAINS, userspace_chain
 from kproxy.dataplane.userspace.control import (
     PORTS_FILE,
     SUBDIR,
@@ -44,7 +46,6 @@ from kproxy.dataplane.userspace.control import (
 )
 from kproxy.dataplane.userspace.render import (
     CANARY_CHAIN,
-    CHAINS,
     HANDOFF_RULE,
     JUMPS,
     ROUTE_TABLE,
@@ -61,13 +62,6 @@ from kproxy.model.objects import Snapshot
 
 log = logging.getLogger("kproxy.userspace")
 
-OUR_CHAINS = frozenset(c for chains in CHAINS.values() for c in chains)
-
-
-def userspace_chain(chain: str) -> bool:
-    """The chains userspace mode writes (a leftover cleanup in this mode keeps them)."""
-    return chain in OUR_CHAINS or chain == CANARY_CHAIN
-
 
 BIND_RETRIES = 3
 # A worker acknowledges a table once it has opened its new listeners, so the wait grows
@@ -75,8 +69,9 @@ BIND_RETRIES = 3
 ACK_PER_NEW_LISTENER = 0.005
 
 
-class UserspaceDataplane:
+class UserspaceDataplane(Dataplane):
     mode = "userspace"
+    moves_udp_flows = True  # its workers do
 
     def __init__(
         self,
@@ -335,6 +330,10 @@ class UserspaceDataplane:
                 log.warning("cannot add the transparent-proxy rule: %s", out.strip())
 
     # --- drift, ownership, cleanup -----------------------------------------------------------
+
+    @property
+    def iptables_flavour(self) -> str:
+        return self.backend.flavour
 
     def drifted(self) -> bool:
         if self._rules is None:
@@ -621,9 +620,8 @@ def create_userspace_dataplane(
 ) -> tuple[UserspaceDataplane, NodeFacts]:
     """What registry.create_dataplane does for mode "userspace" (same arguments)."""
     from kproxy.dataplane.nodefacts import detect_node_facts
-    from kproxy.dataplane.registry import iptables_backend
 
-    backend = iptables_backend(iptables_backend_choice)
+    backend = chosen_backend(iptables_backend_choice)
     facts = detect_node_facts(backend=backend, node_ips=node_ips)
     if workers is None and os.environ.get("KPROXY_USERSPACE_WORKERS", "").isdigit():
         workers = int(os.environ["KPROXY_USERSPACE_WORKERS"])  # benchmarks and debugging

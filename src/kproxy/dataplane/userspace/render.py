@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.render import (
     LocalDetector,
@@ -65,6 +66,22 @@ HANDOFF_RULE = (
     f"OUTPUT -p udp -m mark --mark {HANDOFF_MARK:#x}/{HANDOFF_MARK:#x}"
     f' -m comment --comment "{HANDOFF_COMMENT}" -j CT --notrack'
 )
+
+
+def handoff_objects(where: str, rules: Iterable[str]) -> list[OwnedObject]:
+    """The hand-off rules among raw-table rules of `where` ("iptables-legacy"): outside a
+    switch they are what a crash during one left."""
+    return [
+        OwnedObject(
+            "iptables-rule",
+            f"{where} raw",
+            rule,
+            "kproxy userspace mode's UDP hand-off of a switch (left by a crash)",
+        )
+        for rule in rules
+        if f'"{HANDOFF_COMMENT}"' in rule
+    ]
+
 
 DEFAULT_PORT_RANGE = (20000, 29999)
 

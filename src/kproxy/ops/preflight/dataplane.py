@@ -3,7 +3,8 @@
 Presence is read with ops.snapshot.services() from the kernel snapshot the backup took (no
 second read), against switch.expected_destinations() of the objects: the very comparison
 the switch's verify step makes for the new mode, made here for the old one. Leftovers
-are what leftovers.clean_leftovers(dry_run=True) would list (leftover_objects()).
+are what leftovers.clean_leftovers(dry_run=True) would list: the same function, over the
+reads preflight already made (leftovers_by_mode()).
 """
 
 from __future__ import annotations
@@ -11,15 +12,19 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Sequence
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kproxy.dataplane.base import OwnedObject
+from kproxy.dataplane.kernel_dump import KernelDump
 from kproxy.dataplane.nftables.backend import TableRef
 from kproxy.host.commands import Runner
 from kproxy.ops.preflight.backup import planes_of
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, info, warn
 from kproxy.ops.snapshot import ServiceKey
+
+if TYPE_CHECKING:
+    from kproxy.dataplane.iptables.backend import IptablesBackend
 
 MAX_SHOWN = 10
 
@@ -128,85 +133,71 @@ class _Tables:
         raise AssertionError("preflight never deletes")
 
 
-def _saved(text: str) -> Runner:
-    """A runner that answers a full iptables-save with text already read (no second read of
-    a 320,000-rule save), and runs nothing else."""
+class _PreflightDump(KernelDump):
+    """The kernel as preflight already read it: iptables saves and the nftables tables
+    from its kernel state (no second read of a 320,000-rule save; listing the nft tables
+    itself takes 28 s on an iptables-nft node with 10,000 services), the rest read-only
+    through the node access."""
 
-    def run(argv: Sequence[str], _input: str | None) -> subprocess.CompletedProcess[str]:
-        if argv[-1].endswith("-save"):
-            return subprocess.CompletedProcess(list(argv), 0, text, "")
-        return subprocess.CompletedProcess(list(argv), 1, "", "preflight only reads saves")
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx.access.netns, state_dir=ctx.state_dir)
+        self.ctx = ctx
+        self.snap = ctx.kernel_snapshot
 
-    return run
+    def run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        return self.ctx.access.run(argv)
 
+    def iptables(self, flavour: str) -> IptablesBackend | None:
+        from kproxy.dataplane.iptables.backend import IptablesBackend
 
-def leftover_objects(ctx: Context) -> list[OwnedObject]:
-    """What leftovers.clean_leftovers(mode, dry_run=True) lists, from the pieces it is made of
-    (the same ownership rules), fed with the reads preflight already made: iptables saves
-    from the kernel state, nftables tables probed by name. (clean_leftovers itself lists all
-    nft tables, which takes 28 s on an iptables-nft node with 10,000 services.)"""
-    from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
-    from kproxy.dataplane.iptables.backend import IptablesBackend
-    from kproxy.dataplane.iptables.cleanup import iptables_mode_chain, owned_state
-    from kproxy.dataplane.nftables.cleanup import owned_tables
-    from kproxy.dataplane.userspace.proxier import clean_userspace_leftovers, userspace_chain
-    from kproxy.defaults import DEFAULT_STATE_DIR
-    from kproxy.leftovers import _ipsets, _kube_ipvs0  # the same scoping as at startup
-
-    mode, netns, snap = ctx.current_mode or "", ctx.access.netns, ctx.kernel_snapshot
-    out: list[OwnedObject] = []
-    for flavour in ("nft", "legacy"):
-        text = snap.get(f"iptables-{flavour}", {}).get("output", "")
+        text = self.snap.get(f"iptables-{flavour}", {}).get("output", "")
         if ":KUBE-" not in text:
-            continue  # no chain of any kube-proxy mode: nothing owned in this backend
-        keep = None
-        if flavour == ctx.current_flavour:
-            keep = {"iptables": iptables_mode_chain, "userspace": userspace_chain}.get(mode)
-        backend = IptablesBackend(flavour, netns=netns, runner=_saved(text))
-        out += owned_state(backend, keep)
-    state_dir = ctx.state_dir or DEFAULT_STATE_DIR
-    if mode != "userspace" and _userspace_traces(ctx, state_dir):
-        out += clean_userspace_leftovers(state_dir, netns=netns, dry_run=True)
-    if mode != "nftables":
+            return None  # no chain of any kube-proxy mode: nothing owned in this backend
+        return IptablesBackend(flavour, netns=self.netns, runner=self._saved(text))
+
+    def _saved(self, text: str) -> Runner:
+        """A runner that answers a full iptables-save with text already read, and runs
+        the rest read-only."""
+        readonly = self.ctx.access.runner
+
+        def run(argv: Sequence[str], data: str | None) -> subprocess.CompletedProcess[str]:
+            if argv[-1].endswith("-save"):
+                return subprocess.CompletedProcess(list(argv), 0, text, "")
+            return readonly(argv, data)
+
+        return run
+
+    def nft_tables(self) -> _Tables:
+        output = self.snap.get("nftables", {}).get("output") or "{}"
         tables = []
-        for item in json.loads(snap.get("nftables", {}).get("output") or "{}").get("nftables", []):
+        for item in json.loads(output).get("nftables", []):
             t = item.get("table") if isinstance(item, dict) else None
             if t:
                 tables.append(TableRef(t["family"], t["name"]))
-        out += owned_tables(_Tables(tables))
-        if ctx.access.run(["nft", "-j", "list", "table", "ip", ANCHOR_TABLE]).returncode == 0:
-            out.append(
-                OwnedObject(
-                    "nft-table",
-                    "nftables",
-                    f"ip {ANCHOR_TABLE}",
-                    "kproxy's mode-switch conntrack anchor",
-                )
-            )
-    if mode != "ipvs":
-        out += _kube_ipvs0(netns, True) + _ipsets(netns, True)
-    return out
+        return _Tables(tables)
+
+    def nft_table_exists(self, family: str, name: str) -> bool:
+        return self.run(["nft", "-j", "list", "table", family, name]).returncode == 0
 
 
-def _userspace_traces(ctx: Context, state_dir: Path) -> bool:
-    """Whether userspace mode left anything besides its chains (workers' state in the state
-    dir, its policy rule): only then is its own leftover listing (slower: it re-detects
-    the iptables backend) worth running."""
-    from kproxy.dataplane.userspace.control import SUBDIR
-    from kproxy.dataplane.userspace.render import RULE_PRIORITY
+def leftovers_by_mode(ctx: Context) -> list[tuple[str | None, OwnedObject]]:
+    """What leftovers.clean_leftovers(mode, dry_run=True) lists (the same function), over
+    the reads preflight already made; each with the mode whose state it is."""
+    from kproxy.leftovers import leftovers_by_mode as found_by_mode
 
-    if (state_dir / SUBDIR).exists():
-        return True
-    rules = ctx.access.run(["ip", "rule", "show", "pref", str(RULE_PRIORITY)])
-    return bool(rules.stdout.strip())
+    return found_by_mode(_PreflightDump(ctx), ctx.current_mode, ctx.current_flavour, remove=False)
+
+
+def leftover_objects(ctx: Context) -> list[OwnedObject]:
+    return [obj for _mode, obj in leftovers_by_mode(ctx)]
 
 
 def check_leftovers(ctx: Context) -> list[Finding]:
-    objs = leftover_objects(ctx)
-    if not objs:
+    found = leftovers_by_mode(ctx)
+    if not found:
         return []
-    target_own = [o for o in objs if _mode_of(o) == ctx.target]
-    others = [o for o in objs if o not in target_own]
+    target_own = [o for mode, o in found if mode == ctx.target]
+    others = [o for mode, o in found if mode != ctx.target]
     out = []
     if others:
         kinds: dict[str, int] = {}
@@ -237,14 +228,6 @@ def check_leftovers(ctx: Context) -> list[Finding]:
             )
         )
     return out
-
-
-def _mode_of(o: OwnedObject) -> str:
-    if o.kind == "nft-table" and "kube-proxy" in o.name:
-        return "nftables"
-    if o.kind in ("ipset", "interface"):
-        return "ipvs"
-    return ""
 
 
 CHECKS = (
