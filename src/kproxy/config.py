@@ -64,6 +64,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kproxy.dataplane import nodepolicy
 from kproxy.dataplane.facts import RuleOptions
 
 log = logging.getLogger("kproxy.config")
@@ -361,7 +362,7 @@ class ProxyConfig(_Section):
 
     @property
     def effective_detect_local_mode(self) -> str:
-        return self.detect_local_mode or "ClusterCIDR"
+        return nodepolicy.effective_detect_local_mode(self.detect_local_mode)
 
     @property
     def cluster_cidrs(self) -> tuple[str, ...]:
@@ -369,10 +370,9 @@ class ProxyConfig(_Section):
 
     @property
     def effective_node_port_addresses(self) -> tuple[str, ...]:
-        # Upstream's nftables mode defaults an empty list to "primary" (server_linux.go).
-        if not self.node_port_addresses and self.effective_mode == "nftables":
-            return (NODE_PORT_ADDRESSES_PRIMARY,)
-        return self.node_port_addresses
+        return nodepolicy.effective_node_port_addresses(
+            self.node_port_addresses, self.effective_mode
+        )
 
     @property
     def _sync_section(self) -> IPTablesConfig | IPVSConfig | NFTablesConfig:
