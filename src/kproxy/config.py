@@ -66,6 +66,7 @@ from pydantic_core import PydanticCustomError
 
 from kproxy.dataplane import nodepolicy
 from kproxy.dataplane.facts import RuleOptions
+from kproxy.dataplane.nodepolicy import DETECT_LOCAL_MODES, NODE_PORT_ADDRESSES_PRIMARY
 
 log = logging.getLogger("kproxy.config")
 
@@ -75,9 +76,7 @@ KIND = "KubeProxyConfiguration"
 # kproxy's modes; "" means iptables. Whether a mode is built in is checked elsewhere.
 MODES = ("iptables", "nftables", "ipvs", "userspace")
 DEFAULT_MODE = "iptables"
-DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")
-NODE_PORT_ADDRESSES_PRIMARY = "primary"
 
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
