@@ -1,6 +1,6 @@
 """Node policy shared by every mode: which traffic is local, and where NodePorts answer.
 
-Two decisions upstream keeps once for all its proxiers (pkg/proxy/util), kept once here:
+Two decisions upstream keeps once for all its proxiers, kept once here too:
 
 * the local-traffic detector (detectLocalMode ClusterCIDR, NodeCIDR, BridgeInterface or
   InterfaceNamePrefix): what "from this node's pods" means, spelled for iptables and for
