@@ -530,6 +530,15 @@ def test_node_port_addresses_matching_no_local_address(fake: FakeNode) -> None:
     )
 
 
+def test_node_port_addresses_without_an_ipv4_entry_match_every_address(fake: FakeNode) -> None:
+    # The IPv4 dataplanes then serve NodePorts on every local address (upstream: 0.0.0.0/0).
+    v6_only = cfg("nodePortAddresses: [fd00::/64]\n")
+    for mode in ("iptables", "nftables", "ipvs"):
+        assert "config.nodeport-addresses-match-nothing" not in ids(
+            run(fake, mode, families=["config"], config=v6_only)
+        )
+
+
 def test_missing_cluster_cidr_warns(fake: FakeNode) -> None:
     bare = parse_config(HEAD)
     f = one(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kproxy.config import ConfigError, ProxyConfig, load_config, rule_options
 from kproxy.conntrack import cleanup_stale_udp
 from kproxy.dataplane.base import Dataplane
-from kproxy.dataplane.iptables.render import nodeport_ips
+from kproxy.dataplane.nodepolicy import NodePortAddresses, localhost_node_ports_enabled
 from kproxy.dataplane.registry import create_dataplane
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.leftovers import clean_leftovers
@@ -95,13 +95,16 @@ class Daemon:
         self.last_switch: dict[str, object] | None = None
         self.first_sync_done = threading.Event()
         log.info("node %s: node IPs %s", node_name, ", ".join(facts.node_ips) or "none")
-        if options.localhost_nodeports:
+        if localhost_node_ports_enabled(options):
             # NodePorts on 127.0.0.1 need route_localnet (upstream sets it too); KUBE-FIREWALL
             # blocks the martian traffic this would otherwise let in.
             set_sysctl("net/ipv4/conf/all/route_localnet", 1)
         self.metrics = ProxyMetrics(config.effective_mode)
         self.health = HealthState(health_timeout=2 * config.sync_period)
-        hc_ips = nodeport_ips(options, facts)
+        # Health check NodePorts listen where NodePorts answer (loopback included).
+        hc_ips = NodePortAddresses.from_entries(options.node_port_addresses).addresses(
+            facts.node_ips, facts.local_addresses, include_loopback=True
+        )
         self.service_health = ServiceHealthServer(
             proxy_healthy=lambda: self.health.report()[0], addresses=lambda: hc_ips
         )

@@ -55,7 +55,6 @@ from kproxy.config.problems import ConfigError
 from kproxy.config.rule_options import rule_options
 from kproxy.config.schema import (
     API_VERSION,
-    DETECT_LOCAL_MODES,
     IPVS_SCHEDULERS,
     KIND,
     ClientConnectionConfig,
@@ -67,6 +66,7 @@ from kproxy.config.schema import (
     ProxyConfig,
 )
 from kproxy.config.validation import validate_config
+from kproxy.dataplane.nodepolicy import DETECT_LOCAL_MODES
 from kproxy.modes import MODES
 
 __all__ = [

@@ -21,15 +21,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kproxy.config.durations import format_duration, parse_duration
+from kproxy.dataplane import nodepolicy
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
 
 # kproxy's modes are kproxy/modes.py's MODES; "" means iptables.
 DEFAULT_MODE = "iptables"
-DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")
-NODE_PORT_ADDRESSES_PRIMARY = "primary"
 
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
@@ -195,7 +194,7 @@ class ProxyConfig(_Section):
 
     @property
     def effective_detect_local_mode(self) -> str:
-        return self.detect_local_mode or "ClusterCIDR"
+        return nodepolicy.effective_detect_local_mode(self.detect_local_mode)
 
     @property
     def cluster_cidrs(self) -> tuple[str, ...]:
@@ -203,10 +202,9 @@ class ProxyConfig(_Section):
 
     @property
     def effective_node_port_addresses(self) -> tuple[str, ...]:
-        # Upstream's nftables mode defaults an empty list to "primary" (server_linux.go).
-        if not self.node_port_addresses and self.effective_mode == "nftables":
-            return (NODE_PORT_ADDRESSES_PRIMARY,)
-        return self.node_port_addresses
+        return nodepolicy.effective_node_port_addresses(
+            self.node_port_addresses, self.effective_mode
+        )
 
     @property
     def _sync_section(self) -> IPTablesConfig | IPVSConfig | NFTablesConfig:

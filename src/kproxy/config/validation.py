@@ -13,11 +13,10 @@ from kproxy.config.addresses import parse_cidr, split_host_port
 from kproxy.config.durations import format_duration
 from kproxy.config.problems import show_value, suggest
 from kproxy.config.schema import (
-    DETECT_LOCAL_MODES,
     IPVS_SCHEDULERS,
-    NODE_PORT_ADDRESSES_PRIMARY,
     ProxyConfig,
 )
+from kproxy.dataplane.nodepolicy import DETECT_LOCAL_MODES, NODE_PORT_ADDRESSES_PRIMARY
 from kproxy.modes import MODES
 
 

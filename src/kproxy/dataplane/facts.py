@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kproxy.dataplane.nodepolicy import DEFAULT_DETECT_LOCAL_MODE
+
 
 @dataclass(frozen=True, slots=True)
 class NodeFacts:
@@ -28,13 +30,13 @@ class NodeFacts:
 class RuleOptions:
     masquerade_all: bool = False
     masquerade_bit: int = 14
-    # Local-traffic detector: ClusterCIDR | NodeCIDR | BridgeInterface | InterfaceNamePrefix.
-    detect_local_mode: str = "ClusterCIDR"
+    # Local-traffic detector: one of nodepolicy.DETECT_LOCAL_MODES.
+    detect_local_mode: str = DEFAULT_DETECT_LOCAL_MODE
     cluster_cidrs: tuple[str, ...] = ()
     bridge_interface: str = ""
     interface_name_prefix: str = ""
     localhost_nodeports: bool = True
-    # CIDRs (or the single word "primary"); empty means every local address.
+    # CIDRs (or the single word "primary"), read by nodepolicy.NodePortAddresses.
     node_port_addresses: tuple[str, ...] = ()
     # ipvs mode only (the ipvs section of the configuration); other modes ignore them.
     ipvs_scheduler: str = ""

@@ -15,6 +15,11 @@ from dataclasses import dataclass, field, replace
 
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables import names
+from kproxy.dataplane.nodepolicy import (
+    NodePortAddresses,
+    local_traffic_detector,
+    localhost_node_ports_enabled,
+)
 from kproxy.model.objects import Endpoint, ServicePort, ServicePortName, Snapshot
 
 # Top-level chains, in the order upstream declares them.
@@ -192,71 +197,6 @@ class IptablesPlan:
         return {"filter": len(self.filter_rules) if include_filter else 0, "nat": nat}
 
 
-class LocalDetector:
-    """Which traffic comes from this cluster's pods (upstream's LocalTrafficDetector)."""
-
-    def __init__(self, options: RuleOptions, pod_cidrs: Iterable[str]) -> None:
-        mode = options.detect_local_mode or "ClusterCIDR"
-        self.if_local = ""
-        self.if_not_local = ""
-        if mode == "ClusterCIDR" and options.cluster_cidrs:
-            cidr = options.cluster_cidrs[0]
-            self.if_local, self.if_not_local = f"-s {cidr}", f"! -s {cidr}"
-        elif mode == "NodeCIDR":
-            cidrs = list(pod_cidrs)
-            if cidrs:
-                self.if_local, self.if_not_local = f"-s {cidrs[0]}", f"! -s {cidrs[0]}"
-        elif mode == "BridgeInterface" and options.bridge_interface:
-            br = options.bridge_interface
-            self.if_local, self.if_not_local = f"-i {br}", f"! -i {br}"
-        elif mode == "InterfaceNamePrefix" and options.interface_name_prefix:
-            p = options.interface_name_prefix
-            self.if_local, self.if_not_local = f"-i {p}+", f"! -i {p}+"
-
-    @property
-    def implemented(self) -> bool:
-        return bool(self.if_local)
-
-
-def nodeport_ips(options: RuleOptions, facts: NodeFacts) -> list[str] | None:
-    """The node IPs NodePorts answer on; None means every local address (match-all)."""
-    if not options.node_port_addresses:
-        return None
-    if tuple(options.node_port_addresses) == ("primary",):
-        return list(facts.node_ips)
-    # Only this family's CIDRs count (IPv4 now); an IPv6 address in iptables input would
-    # make the whole restore fail.
-    nets = [
-        n
-        for n in (ipaddress.ip_network(c, strict=False) for c in options.node_port_addresses)
-        if n.version == 4
-    ]
-    if not nets:
-        return None  # no CIDR of this family: every local address, as upstream
-    out = []
-    for addr in facts.local_addresses:
-        ip = ipaddress.ip_address(addr)
-        if ip.version == 4 and any(ip in n for n in nets):
-            out.append(addr)
-    return out
-
-
-def localhost_nodeports_enabled(options: RuleOptions) -> bool:
-    """Upstream forces localhost NodePorts off when nodePortAddresses excludes 127.0.0.1."""
-    if not options.localhost_nodeports:
-        return False
-    if not options.node_port_addresses:
-        return True
-    if tuple(options.node_port_addresses) == ("primary",):
-        return False
-    lo = ipaddress.ip_address("127.0.0.1")
-    return any(
-        lo in ipaddress.ip_network(c, strict=False)
-        for c in options.node_port_addresses
-        if ":" not in c
-    )
-
-
 class IptablesRenderer:
     """Builds restore input; keeps per-service blocks between calls while inputs are equal."""
 
@@ -264,11 +204,11 @@ class IptablesRenderer:
         self.facts = facts
         self.options = options
         self.mark = options.masquerade_mark
-        self.localhost_nodeports = localhost_nodeports_enabled(options)
+        self.localhost_nodeports = localhost_node_ports_enabled(options)
         self._cache: dict[ServicePortName, tuple[ServicePort, bool, ServiceBlock]] = {}
         self._detector_cidrs: tuple[str, ...] = ()
         self._large: bool | None = None  # large-cluster mode of the last plan
-        self.detector = LocalDetector(options, ())
+        self.detector = local_traffic_detector(options, ())
 
     def block(self, sp: ServicePort, large: bool, *, with_chains: bool = True) -> ServiceBlock:
         """The service's block. The cache keeps blocks without their chain text: only a sync
@@ -300,7 +240,7 @@ class IptablesRenderer:
         chains of services that changed or went away can have become stale."""
         if snapshot.node.pod_cidrs != self._detector_cidrs:
             self._detector_cidrs = snapshot.node.pod_cidrs
-            self.detector = LocalDetector(self.options, snapshot.node.pod_cidrs)
+            self.detector = local_traffic_detector(self.options, snapshot.node.pod_cidrs)
             self._cache.clear()
             rewrite = None  # every service's rules depend on the detector
         ports = snapshot.sorted_ports()
@@ -366,18 +306,17 @@ class IptablesRenderer:
 
     def _nodeports_tail(self) -> list[str]:
         comment = '-m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain"'
-        ips = nodeport_ips(self.options, self.facts)
+        ips = NodePortAddresses.from_entries(self.options.node_port_addresses).addresses(
+            self.facts.node_ips,
+            self.facts.local_addresses,
+            include_loopback=self.localhost_nodeports,
+        )
         if ips is None:
             dest = "-m addrtype --dst-type LOCAL"
             if not self.localhost_nodeports:
                 dest += " ! -d 127.0.0.0/8"
             return [f"-A KUBE-SERVICES {comment} {dest} -j KUBE-NODEPORTS"]
-        out = []
-        for ip in ips:
-            if ipaddress.ip_address(ip).is_loopback and not self.localhost_nodeports:
-                continue
-            out.append(f"-A KUBE-SERVICES {comment} -d {ip} -j KUBE-NODEPORTS")
-        return out
+        return [f"-A KUBE-SERVICES {comment} -d {ip} -j KUBE-NODEPORTS" for ip in ips]
 
     def _forward_rules(self) -> list[str]:
         mark = self.mark

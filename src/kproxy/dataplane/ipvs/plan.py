@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
-from kproxy.dataplane.iptables.render import LocalDetector
 from kproxy.dataplane.ipvs import names as n
+from kproxy.dataplane.nodepolicy import NodePortAddresses, local_traffic_detector
 from kproxy.model.objects import Endpoint, ServicePort, ServicePortName, Snapshot
 
 PROTOCOL_NUMBERS = {"TCP": 6, "UDP": 17, "SCTP": 132}
@@ -118,21 +118,12 @@ def node_port_ips(
         {a for a in node_addresses if is_ipv4(a) and not a.startswith("127.")},
         key=lambda a: tuple(int(p) for p in a.split(".")),
     )
-    wanted = options.node_port_addresses
-    if not wanted or "0.0.0.0/0" in wanted:
-        return tuple(usable)
-    if tuple(wanted) == ("primary",):
-        return tuple(ip for ip in facts.node_ips if is_ipv4(ip) and not ip.startswith("127."))
-    nets = [
-        net
-        for net in (ipaddress.ip_network(c, strict=False) for c in wanted if c != "primary")
-        if net.version == 4
-    ]
-    if not nets:
-        return tuple(usable)  # no CIDR of this family: every address, as upstream
     # Only the node's own addresses, never kube-ipvs0's: upstream matches the CIDRs against
     # every interface, which turns ClusterIPs inside such a CIDR into NodePort addresses.
-    return tuple(a for a in usable if any(ipaddress.ip_address(a) in net for net in nets))
+    picked = NodePortAddresses.from_entries(options.node_port_addresses).addresses(
+        facts.node_ips, usable, include_loopback=False
+    )
+    return tuple(usable) if picked is None else picked
 
 
 def _destinations(endpoints: Iterable[Endpoint]) -> tuple[Dest, ...]:
@@ -149,7 +140,7 @@ class IpvsPlanner:
         self.mark = options.masquerade_mark
         self.node_ip = next((ip for ip in facts.node_ips if is_ipv4(ip)), "")
         self._node_ip_obj = ipaddress.ip_address(self.node_ip) if self.node_ip else None
-        self.detector = LocalDetector(options, ())
+        self.detector = local_traffic_detector(options, ())
         self._detector_cidrs: tuple[str, ...] = ()
         self._addresses: frozenset[str] | None = None
         self._np_ips: tuple[str, ...] = ()
@@ -167,7 +158,7 @@ class IpvsPlanner:
             self._cache.clear()
         if snapshot.node.pod_cidrs != self._detector_cidrs:
             self._detector_cidrs = snapshot.node.pod_cidrs
-            self.detector = LocalDetector(self.options, snapshot.node.pod_cidrs)
+            self.detector = local_traffic_detector(self.options, snapshot.node.pod_cidrs)
         plan = IpvsPlan(node_port_ips=self._np_ips)
         sets: dict[str, set[str]] = {name: set() for name in n.SET_NAMES}
         plan.sets = sets

@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.nftables import names as n
+from kproxy.dataplane.nodepolicy import (
+    NodePortAddresses,
+    effective_node_port_addresses,
+    local_traffic_detector,
+)
 from kproxy.model.objects import Endpoint, ServicePort, ServicePortName, Snapshot
 
 FAMILY = "ip"
@@ -218,66 +223,15 @@ class NftablesPlan:
         return len(self.setup.rules) + self.block_rules
 
 
-class LocalDetector:
-    """Upstream's LocalTrafficDetector, nft flavour (IfLocalNFT / IfNotLocalNFT)."""
-
-    def __init__(self, options: RuleOptions, pod_cidrs: Iterable[str]) -> None:
-        mode = options.detect_local_mode or "ClusterCIDR"
-        self.if_local = ""
-        self.if_not_local = ""
-        cidr = ""
-        if mode == "ClusterCIDR":
-            cidr = next((c for c in options.cluster_cidrs if ":" not in c), "")
-        elif mode == "NodeCIDR":
-            cidr = next((c for c in pod_cidrs if ":" not in c), "")
-        elif mode == "BridgeInterface" and options.bridge_interface:
-            br = options.bridge_interface
-            self.if_local, self.if_not_local = f"iifname {br}", f"iifname != {br}"
-        elif mode == "InterfaceNamePrefix" and options.interface_name_prefix:
-            prefix = options.interface_name_prefix
-            self.if_local, self.if_not_local = f'iifname "{prefix}*"', f'iifname != "{prefix}*"'
-        if cidr:
-            self.if_local, self.if_not_local = f"ip saddr {cidr}", f"ip saddr != {cidr}"
-
-    @property
-    def implemented(self) -> bool:
-        return bool(self.if_local)
-
-
-def effective_node_port_addresses(options: RuleOptions) -> tuple[str, ...]:
-    """nftables mode defaults nodePortAddresses to "primary" (upstream, 1.29+)."""
-    return tuple(options.node_port_addresses) or ("primary",)
-
-
 def nodeport_addresses(options: RuleOptions, facts: NodeFacts) -> tuple[str, ...] | None:
     """IPv4 addresses NodePorts answer on; None = every local address (match-all).
 
-    Like upstream's NodePortAddresses: "primary" stands for the node's IPs, other entries
-    are CIDRs matched against the node's addresses; no IPv4 entry at all, or 0.0.0.0/0,
-    means match-all. Loopback addresses are dropped: nftables mode never serves NodePorts
-    on localhost."""
-    ips: list[str] = []
-    nets: list[ipaddress.IPv4Network] = []
-    primary = False
-    for text in effective_node_port_addresses(options):
-        if text == "primary":
-            primary = True
-            ips += [ip for ip in facts.node_ips if ":" not in ip]
-            continue
-        net = ipaddress.ip_network(text, strict=False)
-        if isinstance(net, ipaddress.IPv4Network):
-            nets.append(net)
-    if (not nets and not primary) or any(net.prefixlen == 0 for net in nets):
-        return None
-    for addr in facts.local_addresses:
-        ip = ipaddress.ip_address(addr)
-        if ip.version == 4 and any(ip in net for net in nets):
-            ips.append(addr)
-    out: list[str] = []
-    for addr in ips:
-        if not ipaddress.ip_address(addr).is_loopback and addr not in out:
-            out.append(addr)
-    return tuple(out)
+    nftables mode reads an empty nodePortAddresses as "primary" and never serves NodePorts
+    on loopback addresses."""
+    entries = effective_node_port_addresses(options.node_port_addresses, "nftables")
+    return NodePortAddresses.from_entries(entries).addresses(
+        facts.node_ips, facts.local_addresses, include_loopback=False
+    )
 
 
 def table_setup(
@@ -344,7 +298,7 @@ class NftablesPlanner:
         node_ip = next((ip for ip in facts.node_ips if ":" not in ip), None)
         self.node_ip = ipaddress.ip_address(node_ip) if node_ip else None
         self._detector_cidrs: tuple[str, ...] = ()
-        self.detector = LocalDetector(options, ())
+        self.detector = local_traffic_detector(options, ())
         self._cache: dict[ServicePortName, tuple[ServicePort, ServiceBlock]] = {}
         self._rules = 0  # rules of the cached blocks
         self._last: dict[ServicePortName, ServiceBlock] | None = None
@@ -361,7 +315,7 @@ class NftablesPlanner:
         id(); only new and changed ports are planned."""
         if snapshot.node.pod_cidrs != self._detector_cidrs:
             self._detector_cidrs = snapshot.node.pod_cidrs
-            self.detector = LocalDetector(self.options, snapshot.node.pod_cidrs)
+            self.detector = local_traffic_detector(self.options, snapshot.node.pod_cidrs)
             self._cache.clear()
             self._by_id.clear()
             self._rules = 0
@@ -521,7 +475,7 @@ class NftablesPlanner:
                 chain_rules.setdefault(internal_chain, []).append(f"{head} {mark_masq}")
             elif detector.implemented:
                 chain_rules.setdefault(internal_chain, []).append(
-                    f"{head} {detector.if_not_local} {mark_masq}"
+                    f"{head} {detector.if_not_local_nft} {mark_masq}"
                 )
         if uses_external_chain:
             ext = chain_rules[external_chain]
@@ -530,7 +484,7 @@ class NftablesPlanner:
             else:
                 if detector.implemented:
                     ext.append(
-                        f'{detector.if_local} goto {cluster_chain} comment "short-circuit pod'
+                        f'{detector.if_local_nft} goto {cluster_chain} comment "short-circuit pod'
                         ' traffic"'
                     )
                 ext.append(f'fib saddr type local {mark_masq} comment "masquerade local traffic"')

@@ -33,10 +33,11 @@ from typing import Any
 
 from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
-from kproxy.dataplane.iptables.render import (
-    LocalDetector,
-    localhost_nodeports_enabled,
-    nodeport_ips,
+from kproxy.dataplane.nodepolicy import (
+    LocalTrafficDetector,
+    NodePortAddresses,
+    local_traffic_detector,
+    localhost_node_ports_enabled,
 )
 from kproxy.model.objects import Endpoint, Protocol, ServicePort, Snapshot
 
@@ -330,20 +331,6 @@ def _addrs(endpoints: Iterable[Endpoint]) -> tuple[tuple[str, int], ...]:
     return tuple((ep.ip, ep.port) for ep in endpoints)
 
 
-def local_cidrs(options: RuleOptions, pod_cidrs: Iterable[str]) -> tuple[str, ...] | None:
-    """The CIDRs the worker treats as pod sources, or None when no detector applies.
-
-    The interface-based detectors (BridgeInterface, InterfaceNamePrefix) cannot be checked
-    on an accepted socket; they count as "no detector" (client addresses are kept)."""
-    mode = options.detect_local_mode or "ClusterCIDR"
-    if mode == "ClusterCIDR" and options.cluster_cidrs:
-        return (options.cluster_cidrs[0],)
-    if mode == "NodeCIDR":
-        cidrs = [c for c in pod_cidrs if ":" not in c]
-        return (cidrs[0],) if cidrs else None
-    return None
-
-
 def proxied(sp: ServicePort) -> bool:
     """Whether userspace mode proxies this service port (IPv4 TCP and UDP only)."""
     return sp.protocol is not Protocol.SCTP and bool(sp.cluster_ip) and ":" not in sp.cluster_ip
@@ -375,7 +362,7 @@ class UserspaceRenderer:
         self.facts = facts
         self.options = options
         self.port_range = port_range
-        self.localhost_nodeports = localhost_nodeports_enabled(options)
+        self.localhost_nodeports = localhost_node_ports_enabled(options)
         node_ips = [ip for ip in facts.node_ips if ":" not in ip]
         self.node_ip = node_ips[0] if node_ips else ""
 
@@ -386,9 +373,11 @@ class UserspaceRenderer:
         avoid_ports: Iterable[int] = (),
         bad_ports: Iterable[int] = (),
     ) -> UserspacePlan:
-        detector = LocalDetector(self.options, snapshot.node.pod_cidrs)
+        detector = local_traffic_detector(self.options, snapshot.node.pod_cidrs)
         plan = UserspacePlan(
-            local_cidrs=local_cidrs(self.options, snapshot.node.pod_cidrs),
+            # An interface-based detector cannot be checked on an accepted socket: the
+            # workers then see no detector (client addresses are kept).
+            local_cidrs=(detector.cidr,) if detector.cidr else None,
             masquerade_all=self.options.masquerade_all,
         )
         ports_in_use: list[ServicePort] = []
@@ -402,7 +391,11 @@ class UserspaceRenderer:
             ports_in_use.append(sp)
         keys = listener_keys(ports_in_use)
         ports = allocate_ports(keys, previous_ports or {}, self.port_range, avoid_ports, bad_ports)
-        np_ips = nodeport_ips(self.options, self.facts)
+        # Loopback addresses stay in the list: only the host chain leaves them out, unless
+        # localhostNodePorts allows them (see _service).
+        np_ips = NodePortAddresses.from_entries(self.options.node_port_addresses).addresses(
+            self.facts.node_ips, self.facts.local_addresses, include_loopback=True
+        )
         for sp in ports_in_use:
             self._service(plan, sp, ports, detector, np_ips)
         return plan
@@ -419,8 +412,8 @@ class UserspaceRenderer:
         plan: UserspacePlan,
         sp: ServicePort,
         ports: Mapping[str, int],
-        detector: LocalDetector,
-        np_ips: list[str] | None,
+        detector: LocalTrafficDetector,
+        np_ips: tuple[str, ...] | None,
     ) -> None:
         name = str(sp.name)
         proto = sp.protocol.lower

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from kproxy.config import ProxyConfig, format_duration
 from kproxy.dataplane.base import AVAILABLE_MODES
+from kproxy.dataplane.nodepolicy import NodePortAddresses
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, block, info, warn
 
@@ -296,24 +297,17 @@ def check_strict_arp(ctx: Context) -> list[Finding]:
 def nodeport_matches(ctx: Context) -> tuple[list[str], list[str]] | None:
     """(the nodePortAddresses entries, the local addresses they match); None = match-all."""
     entries = list(ctx.target_config.effective_node_port_addresses)
-    if not entries or not ctx.addresses:
+    try:
+        policy = NodePortAddresses.from_entries(entries)
+    except ValueError:
+        return None  # a bad entry is the configuration's validation to report
+    if policy.match_all or not ctx.addresses:
         return None  # match-all, or the addresses could not be read (noted by the context)
     local = [a for _, a, _ in ctx.addresses]
-    if ctx.target == "nftables":
-        local = [a for a in local if not ipaddress.ip_address(a).is_loopback]
-    matched: list[str] = []
-    for entry in entries:
-        if entry == "primary":
-            matched += [ip for ip in ctx.node_ips if ip in local or not local]
-            continue
-        try:
-            net = ipaddress.ip_network(entry, strict=False)
-        except ValueError:
-            continue
-        if net.prefixlen == 0 and net.version == 4:
-            return None
-        matched += [a for a in local if ipaddress.ip_address(a) in net]
-    return entries, list(dict.fromkeys(matched))
+    # "primary" counts only when the node IP is one of the node's own addresses.
+    node_ips = [ip for ip in ctx.node_ips if ip in local]
+    matched = policy.addresses(node_ips, local, include_loopback=ctx.target != "nftables")
+    return entries, list(matched or ())
 
 
 def check_node_port_addresses(ctx: Context) -> list[Finding]:
