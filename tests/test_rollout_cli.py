@@ -145,3 +145,26 @@ def test_requests_without_a_controller_say_so(api: tuple[KubeApiStore, Path]) ->
     assert code == 0 and "not planned yet (is the controller running?)" in out
     code, out = kproxy(kc, "pause", "r", "--timeout", "1")
     assert code == 1 and "the controller did not answer within 1 s" in out
+
+
+def test_undo_waits_for_the_rollout_to_finish_then_sends_nodes_back(
+    api: tuple[KubeApiStore, Path],
+) -> None:
+    store, kc = api
+    settings = ClientSettings(kubeconfig=str(kc))
+    with Agents(store, ["n1", "n2"]) as agents, running(settings):
+        code, out = kproxy(
+            kc, "start", "--to", "nftables", "--name", "r", "--soak", "1h", "--stages", "1,100%"
+        )
+        assert code == 0, out
+        wait_for(lambda: phase(store, "r") == st.SOAKING)
+        code, out = kproxy(kc, "undo", "r")
+        assert code == 1 and "rollout r is Soaking: abort it first" in out
+        code, out = kproxy(kc, "abort", "r", "--rollback", "none")
+        assert code == 0
+        wait_for(lambda: phase(store, "r") == st.FAILED)
+        code, out = kproxy(kc, "undo", "r", "--soak", "0s")
+        assert code == 0 and "proxyrollout r-undo created: 1 node(s) back (n1 -> iptables)" in out
+        wait_for(lambda: phase(store, "r-undo") == st.SUCCEEDED)
+    assert agents.sims["n1"].switches == ["nftables", "iptables"]
+    assert agents.sims["n2"].switches == []

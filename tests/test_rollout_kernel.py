@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 
 from kproxy.cluster.annotations import CURRENT_MODE
 from kproxy.cluster.rollout import status as st
+from kproxy.cluster.rollout.controller import REQUEST_ANNOTATION
 from kproxy.lab.cluster import ClusterLab, failures
 from kproxy.lab.topology import Lab
 from tests.test_rollout_controller import running
@@ -244,3 +248,70 @@ def test_a_batch_where_enough_nodes_fail_is_rolled_back_and_pauses(
     assert {states[n] for n in ("node2", "node3", "node4")} == {st.ROLLED_BACK}
     status = cluster.store.get("ProxyRollout", "", "r")["status"]  # type: ignore[index]
     assert "failedNodes" in status["pausedReason"]
+
+
+def test_abort_rollback_all_and_undo_bring_every_node_back(cluster: ClusterLab) -> None:
+    stages = [{"nodes": "1"}, {"nodes": "100%", "maxParallel": "3"}]
+    with traffic(cluster), running(cluster.settings(), interval=0.2):
+        cluster.store.create(rollout("first", soak="1h", stages=[{"nodes": "100%"}]))
+        wait_phase(cluster, "first", (st.SOAKING,))
+        request = {"metadata": {"annotations": {REQUEST_ANNOTATION: "1 abort:all"}}}
+        cluster.store.patch("ProxyRollout", "", "first", request)
+        assert wait_phase(cluster, "first", st.TERMINAL) == st.FAILED
+        assert set(modes(cluster).values()) == {"iptables"}
+        cluster.store.create(rollout("second", soak="1s", stages=stages))
+        assert wait_phase(cluster, "second", st.TERMINAL) == st.SUCCEEDED
+        assert set(modes(cluster).values()) == {"nftables"}
+        undo = rollout("second-undo", soak="1s", stages=stages)
+        undo["spec"].update(targetMode="previous", undoOf="second")
+        cluster.store.create(undo)
+        assert wait_phase(cluster, "second-undo", st.TERMINAL) == st.SUCCEEDED
+    assert set(modes(cluster).values()) == {"iptables"}
+
+
+def switches_per_node(c: ClusterLab) -> dict[str, int]:
+    """Each node's own reports of a done switch (its kproxy's Events)."""
+    out = dict.fromkeys(c.proxies, 0)
+    for e in c.store.objects("Event"):
+        if e["reason"] == "ProxyModeSwitched" and e.get("reportingComponent") == "kproxy":
+            out[e["involvedObject"]["name"]] += 1
+    return out
+
+
+def test_a_controller_killed_mid_batch_is_resumed_by_the_next_one(cluster: ClusterLab) -> None:
+    """`kproxy rollout run` as a process, killed with SIGKILL while stage 2 switches; a new
+    one takes the Lease over once it expires and finishes without switching a node twice."""
+    settings = cluster.settings()
+
+    def controller() -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", "kproxy.cli", "rollout", "run"]
+        argv += ["--kubeconfig", settings.kubeconfig, "--lease-namespace", "default"]
+        argv += ["--interval", "0.2", "--lease-duration", "3"]
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    stages = [{"nodes": "1"}, {"nodes": "100%", "maxParallel": "1"}]
+    first = controller()
+    try:
+        with traffic(cluster):
+            cluster.store.create(rollout("r", soak="1s", stages=stages))
+            deadline = time.monotonic() + 120
+            while sum(s == st.SWITCHED for s in node_states(cluster, "r").values()) < 2:
+                assert time.monotonic() < deadline, node_states(cluster, "r")
+                time.sleep(0.1)
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+            stopped_at = node_states(cluster, "r")
+            second = controller()
+            try:
+                assert wait_phase(cluster, "r", st.TERMINAL) == st.SUCCEEDED
+            finally:
+                second.terminate()
+                second.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert st.DONE in stopped_at.values() or st.SWITCHED in stopped_at.values()
+    assert set(modes(cluster).values()) == {"nftables"}
+    assert switches_per_node(cluster) == dict.fromkeys(cluster.proxies, 1)
+    lease = cluster.store.get("Lease", "default", "kproxy-rollout-controller")
+    assert lease is not None and lease["spec"]["leaseTransitions"] >= 1

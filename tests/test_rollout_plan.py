@@ -181,7 +181,7 @@ def test_the_crd_schema_names_the_fields_and_choices_of_the_spec_model() -> None
     assert set(props["nodeSelector"]["properties"]) == fields(model.NodeSelector)
     window = props["maintenanceWindows"]["items"]["properties"]
     assert set(window) == fields(model.MaintenanceWindow)
-    assert tuple(props["targetMode"]["enum"]) == MODES
+    assert tuple(props["targetMode"]["enum"]) == (*MODES, model.PREVIOUS)
     assert tuple(props["breakers"]["items"]["properties"]["signal"]["enum"]) == tuple(model.SIGNALS)
     actions = {a for scoped in model.ACTIONS.values() for a in scoped}
     assert set(props["breakers"]["items"]["properties"]["action"]["enum"]) == actions

@@ -321,3 +321,36 @@ def test_maintenance_windows_gate_new_switches() -> None:
     assert c.state("n1") == st.PENDING and c.nodes["n1"].switches == []
     c.now = sat_23
     c.run(st.SOAKING)
+
+
+def test_an_undo_sends_every_moved_node_back_to_its_own_previous_mode() -> None:
+    from kproxy.cluster.rollout.plan import make_undo_plan
+
+    c = cluster(count=3, stages=[{"nodes": "100%", "maxParallel": "3"}])
+    c.nodes["n3"].ann[CURRENT_MODE] = "ipvs"  # the nodes came from two modes
+    c.run(st.SUCCEEDED)
+    undone = c.status
+    assert undone is not None
+    spec = parse_spec({"targetMode": "previous", "undoOf": "r1", "soak": "0s"})
+    plan = make_undo_plan(spec, undone, c.objs())
+    assert plan.targets == {"n1": "iptables", "n2": "iptables", "n3": "ipvs"}
+    assert not plan.blockers
+    undo = Cluster(spec, c.nodes, now=c.now, status=initial_status(plan, c.now))
+    undo.run(st.SUCCEEDED)
+    assert [undo.mode(n) for n in ("n1", "n2", "n3")] == ["iptables", "iptables", "ipvs"]
+    assert undo.status is not None
+    assert undo.status.message == "every node serves its previous mode again"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"targetMode": "previous"}, "targetMode: previous and undoOf go together"),
+        ({"targetMode": "ipvs", "undoOf": "r1"}, "targetMode: previous and undoOf go together"),
+    ],
+)
+def test_previous_is_only_an_undos_target(fields: dict[str, Any], message: str) -> None:
+    from kproxy.cluster.rollout.spec import RolloutSpecError
+
+    with pytest.raises(RolloutSpecError, match=message):
+        parse_spec(fields)

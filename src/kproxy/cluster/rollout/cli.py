@@ -467,6 +467,69 @@ def abort_command(
     typer.echo(_request(name, f"abort:{rollback}", kubeconfig, master, timeout))
 
 
+@rollout_app.command("undo")
+def undo_command(
+    name: NameRequired,
+    stages: Stages = "1,100%",
+    max_parallel: MaxParallel = "1",
+    soak: Soak = "15m",
+    new_name: Annotated[
+        str | None, typer.Option("--name", help="The undo's name (default: NAME-undo).")
+    ] = None,
+    json_out: JsonOut = False,
+    kubeconfig: Kubeconfig = None,
+    master: Master = None,
+) -> None:
+    """Send every node the rollout NAME moved back to the mode it served before, as a
+    rollout of its own (with its own stages, soak and breakers). NAME must have finished:
+    abort it first (`--rollback none` leaves the rest to the undo)."""
+    from kproxy.cluster.rollout import status as st
+    from kproxy.cluster.rollout.controller import ROLLOUTS
+    from kproxy.cluster.rollout.plan import make_undo_plan
+    from kproxy.cluster.rollout.spec import API_VERSION, PREVIOUS
+    from kproxy.sources.kubeclient import json_request
+
+    try:
+        raw, _ = spec_from_options(PREVIOUS, None, stages, max_parallel, soak, None)
+        raw["undoOf"] = name
+        spec = _parsed(raw)
+    except RolloutUsageError as err:
+        raise _fail(str(err), EXIT_USAGE) from None
+    chosen = new_name or f"{name}-undo"
+
+    async def work(conn: Any) -> tuple[Any, dict[str, Any] | None]:
+        undone = await _get(conn, name)
+        status = st.RolloutStatus.of(undone)
+        if status is None or status.phase not in st.TERMINAL:
+            phase = status.phase if status else "not planned"
+            raise RolloutUsageError(
+                f"rollout {name} is {phase}: abort it first "
+                f"(kproxy rollout abort {name} --rollback none)"
+            )
+        plan = make_undo_plan(spec, status, await _nodes(conn))
+        if plan.blockers:
+            return plan, None
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": chosen, "annotations": {PLAN_ANNOTATION: plan.fingerprint}},
+            "spec": raw,
+        }
+        return plan, await json_request(conn, "POST", ROLLOUTS, body=body)
+
+    try:
+        plan, created = _api(kubeconfig, master, work)
+    except RolloutUsageError as err:
+        raise _fail(str(err)) from None
+    if created is None:
+        raise _fail("the undo has blockers: " + "; ".join(plan.blockers))
+    if json_out:
+        typer.echo(json.dumps(created, indent=2))
+    else:
+        back = ", ".join(f"{n} -> {m}" for n, m in sorted(plan.targets.items()))
+        typer.echo(f"proxyrollout {chosen} created: {plan.node_count} node(s) back ({back})")
+
+
 @rollout_app.command("run")
 def run_command(
     name: Annotated[
@@ -476,6 +539,10 @@ def run_command(
         str, typer.Option(help="Namespace of the Lease that keeps one controller active.")
     ] = "kube-system",
     interval: Annotated[float, typer.Option(help="Seconds between steps.")] = 2.0,
+    lease_duration: Annotated[
+        float,
+        typer.Option(help="Seconds a stopped controller's Lease holds off its successor."),
+    ] = 15.0,
     metrics_address: Annotated[
         str | None,
         typer.Option(help="Serve kproxy_rollout_* metrics on HOST:PORT (default: off)."),
@@ -504,6 +571,7 @@ def run_command(
     controller = RolloutController(
         _settings(kubeconfig, master),
         lease_namespace=lease_namespace,
+        lease_duration=lease_duration,
         interval=interval,
         only=name,
         metrics=metrics,

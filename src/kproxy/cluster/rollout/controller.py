@@ -18,13 +18,14 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from kproxy.cluster.events import event_body, node_ref
 from kproxy.cluster.lease import LeaderLease
 from kproxy.cluster.rollout import status as st
 from kproxy.cluster.rollout.metrics import RolloutMetrics
-from kproxy.cluster.rollout.plan import make_plan
+from kproxy.cluster.rollout.plan import Plan, make_plan, make_undo_plan
 from kproxy.cluster.rollout.reconcile import Event, Request, initial_status, reconcile
 from kproxy.cluster.rollout.spec import (
     API_VERSION,
@@ -116,10 +117,14 @@ class RolloutController:
             if (obj.get("status") or {}).get("phase") in st.TERMINAL:
                 self.metrics.observe(name, st.RolloutStatus.of(obj))
                 continue
-            await self.reconcile_one(conn, obj, nodes)
+            await self.reconcile_one(conn, obj, nodes, rollouts)
 
     async def reconcile_one(
-        self, conn: Connection, obj: dict[str, Any], nodes: list[dict[str, Any]]
+        self,
+        conn: Connection,
+        obj: dict[str, Any],
+        nodes: list[dict[str, Any]],
+        rollouts: list[dict[str, Any]],
     ) -> None:
         meta = obj.get("metadata") or {}
         name = str(meta.get("name", ""))
@@ -131,7 +136,7 @@ class RolloutController:
             return
         status = st.RolloutStatus.of(obj)
         if status is None:
-            plan = make_plan(spec, nodes)
+            plan = self.plan(spec, nodes, rollouts)
             if plan.blockers:
                 await self.refuse(conn, obj, "PlanBlocked", "; ".join(plan.blockers))
                 return
@@ -155,6 +160,22 @@ class RolloutController:
         for event in step.events:
             await self.post_event(conn, obj, event)
         self.metrics.observe(name, step.status)
+
+    @staticmethod
+    def plan(spec: Any, nodes: list[dict[str, Any]], rollouts: list[dict[str, Any]]) -> Plan:
+        """A new rollout's plan; an undo's comes from the status of the rollout it undoes."""
+        if not spec.undo_of:
+            return make_plan(spec, nodes)
+        undone = next((o for o in rollouts if o["metadata"]["name"] == spec.undo_of), None)
+        status = st.RolloutStatus.of(undone) if undone is not None else None
+        if status is None or status.phase not in st.TERMINAL:
+            why = (
+                f"rollout {spec.undo_of} does not exist"
+                if undone is None
+                else f"rollout {spec.undo_of} has not finished: abort it first"
+            )
+            return replace(make_undo_plan(spec, st.RolloutStatus(), nodes), blockers=[why])
+        return make_undo_plan(spec, status, nodes)
 
     async def write_status(self, conn: Connection, obj: dict[str, Any], status: dict) -> None:
         name = obj["metadata"]["name"]

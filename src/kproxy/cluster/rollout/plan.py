@@ -99,6 +99,7 @@ class Plan:
     estimated_seconds: float
     fingerprint: str
     preflight: dict[str, PreflightAnswer] = field(default_factory=dict)
+    targets: dict[str, str] = field(default_factory=dict)  # where a node's target differs
 
     @property
     def node_count(self) -> int:
@@ -117,7 +118,12 @@ class Plan:
                     "parallel": b.parallel,
                     "soakSeconds": b.soak,
                     "nodes": [
-                        {"name": n, "zone": self.zones.get(n, ""), "from": self.previous[n]}
+                        {
+                            "name": n,
+                            "zone": self.zones.get(n, ""),
+                            "from": self.previous[n],
+                            "to": self.targets.get(n, self.target),
+                        }
                         for n in b.nodes
                     ],
                 }
@@ -145,6 +151,23 @@ def spread_by_zone(nodes: list[NodeInfo]) -> list[NodeInfo]:
     for i in range(max((len(q) for q in queues), default=0)):
         out.extend(q[i] for q in queues if i < len(q))
     return out
+
+
+def stage_batches(spec: RolloutSpec, ordered: list[NodeInfo]) -> list[Batch]:
+    """The nodes, in order, cut into the stages' batches (each stage's amount cumulative)."""
+    batches: list[Batch] = []
+    done = 0
+    for number, stage in enumerate(spec.stages, start=1):
+        upto = max(done, resolve(stage.nodes, len(ordered)))
+        members = tuple(n.name for n in ordered[done:upto])
+        parallel = max(1, resolve(stage.max_parallel, len(members) or 1))
+        batches.append(Batch(number, stage.nodes, members, parallel, spec.soak_of(stage)))
+        done = upto
+    return batches
+
+
+def estimate_seconds(batches: list[Batch], switch_estimate: float) -> float:
+    return sum(b.waves * switch_estimate + (b.soak if b.nodes else 0) for b in batches)
 
 
 def fingerprint(spec: RolloutSpec, nodes: list[NodeInfo]) -> str:
@@ -195,16 +218,8 @@ def make_plan(
                     continue
                 blockers.append(f"{n.name}: preflight blocks the switch (onBlock HaltStage): {why}")
             todo.append(n)
-    ordered = spread_by_zone(todo)
-    batches: list[Batch] = []
-    done = 0
-    for number, stage in enumerate(spec.stages, start=1):
-        upto = max(done, resolve(stage.nodes, len(ordered)))
-        members = tuple(n.name for n in ordered[done:upto])
-        parallel = max(1, resolve(stage.max_parallel, len(members) or 1))
-        batches.append(Batch(number, stage.nodes, members, parallel, spec.soak_of(stage)))
-        done = upto
-    estimate = sum(b.waves * switch_estimate + (b.soak if b.nodes else 0) for b in batches)
+    batches = stage_batches(spec, spread_by_zone(todo))
+    estimate = estimate_seconds(batches, switch_estimate)
     return Plan(
         target=spec.target_mode,
         selector=selector,
@@ -218,4 +233,39 @@ def make_plan(
         estimated_seconds=estimate,
         fingerprint=fingerprint(spec, infos),
         preflight=dict(answers),
+    )
+
+
+def make_undo_plan(
+    spec: RolloutSpec,
+    undone: Any,
+    nodes: list[dict[str, Any]],
+    *,
+    switch_estimate: float = DEFAULT_SWITCH_ESTIMATE,
+) -> Plan:
+    """The plan of an undo: every node the undone rollout moved (`undone`, its status) goes
+    back to the mode it served before, in the undo's own stages."""
+    from kproxy.cluster.rollout import status as st
+
+    moved = {n.name: n for n in undone.nodes if n.state in (st.SWITCHED, st.DONE)}
+    infos = {i.name: i for i in map(NodeInfo.of, nodes)}
+    blockers = [f"{name}: the Node no longer exists" for name in moved if name not in infos]
+    todo = [infos[name] for name in moved if name in infos]
+    if not moved:
+        blockers.append("the rollout undone moved no node")
+    batches = stage_batches(spec, spread_by_zone(todo))
+    estimate = estimate_seconds(batches, switch_estimate)
+    return Plan(
+        target=spec.target_mode,
+        selector=f"the nodes {spec.undo_of} moved",
+        batches=batches,
+        already=[],
+        skipped=[],
+        blockers=blockers,
+        warnings=[f"{n.name}: NotReady now" for n in todo if not n.ready],
+        previous={n.name: n.mode or "" for n in todo},
+        zones={n.name: n.zone for n in todo},
+        estimated_seconds=estimate,
+        fingerprint=fingerprint(spec, list(infos.values())),
+        targets={name: moved[name].previous_mode for name in moved if name in infos},
     )

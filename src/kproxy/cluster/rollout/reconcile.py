@@ -149,7 +149,13 @@ class Step:
 def initial_status(plan: Plan, now: float) -> st.RolloutStatus:
     """The status a rollout starts from: the plan's node order, frozen."""
     nodes = [
-        st.NodeProgress(name=n, stage=b.stage, previousMode=plan.previous[n])
+        st.NodeProgress(
+            name=n,
+            stage=b.stage,
+            previousMode=plan.previous[n],
+            targetMode=plan.targets.get(n, ""),
+            state=st.PENDING,
+        )
         for b in plan.batches
         for n in b.nodes
     ]
@@ -299,12 +305,12 @@ class _Reconciler:
             return
         self.patch(
             n.name,
-            {MODE_ANNOTATION: self.spec.target_mode, PREFLIGHT_REQUEST: None},
+            {MODE_ANNOTATION: self.target_of(n), PREFLIGHT_REQUEST: None},
         )
         self.enter(n, st.SWITCHING)
         self.event(
             "NodeSwitching",
-            f"{n.name}: switching {n.previous_mode} -> {self.spec.target_mode} (stage {n.stage})",
+            f"{n.name}: switching {n.previous_mode} -> {self.target_of(n)} (stage {n.stage})",
             node=n.name,
         )
 
@@ -319,7 +325,7 @@ class _Reconciler:
         self.event("NodeBlocked", f"{n.name}: preflight: {why}", node=n.name, warning=True)
 
     def follow_switch(self, n: st.NodeProgress, report: NodeReport) -> None:
-        target = self.spec.target_mode
+        target = self.target_of(n)
         acted = report.observed == target and report.switch_target == target
         if acted and report.switch_state == "succeeded" and report.info.mode == target:
             n.last_error = ""
@@ -641,7 +647,7 @@ class _Reconciler:
             if n.state != st.PENDING or report is None or not report.info.ready:
                 continue
             n.attempt += 1
-            request = {"id": self.request_id(n), "mode": self.spec.target_mode}
+            request = {"id": self.request_id(n), "mode": self.target_of(n)}
             self.patch(
                 n.name,
                 {
@@ -654,6 +660,9 @@ class _Reconciler:
             )
             self.enter(n, st.PREFLIGHT)
             busy += 1
+
+    def target_of(self, n: st.NodeProgress) -> str:
+        return n.target_mode or self.spec.target_mode
 
     def request_id(self, n: st.NodeProgress) -> str:
         return f"{self.name}.{n.name}.{n.attempt}"
@@ -688,7 +697,14 @@ class _Reconciler:
             s.phase = st.FAILED
             s.message = f"{len(failed)} node(s) did not move: {', '.join(failed)}"
         else:
-            s.phase, s.message = st.SUCCEEDED, f"every node serves {self.spec.target_mode}"
+            s.phase, s.message = (
+                st.SUCCEEDED,
+                (
+                    "every node serves its previous mode again"
+                    if self.spec.undo_of
+                    else f"every node serves {self.spec.target_mode}"
+                ),
+            )
         s.stage = min(s.stage, len(self.spec.stages))
         for n in s.nodes:
             if n.stage and n.state not in (st.PENDING, st.SKIPPED):

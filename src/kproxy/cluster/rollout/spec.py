@@ -36,6 +36,8 @@ KIND = "ProxyRollout"
 PLURAL = "proxyrollouts"
 
 DEFAULT_SOAK = 15 * 60.0
+# The target of an undo: every node goes back to the mode it served before the rollout undone.
+PREVIOUS = "previous"
 WEEKDAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _AMOUNT = re.compile(r"^(?P<number>[0-9]+)(?P<percent>%?)$")
 _CLOCK = re.compile(r"^(?P<h>[01][0-9]|2[0-3]):(?P<m>[0-5][0-9])$")
@@ -279,13 +281,22 @@ class RolloutSpec(_Part):
     maintenance_windows: tuple[MaintenanceWindow, ...] = Field((), alias="maintenanceWindows")
     # How long one node's switch may take before it counts as failed.
     switch_timeout: Duration = Field(300.0, alias="switchTimeout")
+    # The rollout this one undoes: the nodes it moved go back to their previous modes
+    # (targetMode: previous).
+    undo_of: str = Field("", alias="undoOf")
 
     @field_validator("target_mode")
     @classmethod
     def _mode(cls, value: str) -> str:
-        if value not in MODES:
+        if value not in (*MODES, PREVIOUS):
             raise ValueError(f"{value!r} is not a proxy mode (choose from {', '.join(MODES)})")
         return value
+
+    @model_validator(mode="after")
+    def _previous_only_for_an_undo(self) -> RolloutSpec:
+        if (self.target_mode == PREVIOUS) != bool(self.undo_of):
+            raise ValueError("targetMode: previous and undoOf go together (an undo of a rollout)")
+        return self
 
     @field_validator("stages")
     @classmethod

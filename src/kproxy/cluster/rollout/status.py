@@ -65,7 +65,8 @@ class NodeProgress(_Part):
     name: str
     stage: int  # 1-based
     previous_mode: str = Field(alias="previousMode")
-    state: str = PENDING
+    target_mode: str = Field("", alias="targetMode")  # "": the spec's (an undo's differ)
+    state: str  # always written: a status without it would read as nothing at all
     since: str = ""  # when the node entered its state
     attempt: int = 0  # numbers the node's preflight requests
     reason: str = ""  # why it is Skipped / Blocked / rolled back or failed
