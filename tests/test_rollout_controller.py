@@ -4,8 +4,6 @@ tests run real kproxies)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +14,7 @@ import pytest
 
 from kproxy.cluster.annotations import CURRENT_MODE
 from kproxy.cluster.rollout import status as st
-from kproxy.cluster.rollout.controller import LEASE_NAME, REQUEST_ANNOTATION, RolloutController
+from kproxy.cluster.rollout.controller import LEASE_NAME, REQUEST_ANNOTATION, running_in_thread
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore
 from kproxy.sources.clientsettings import ClientSettings
 from tests.test_rollout_plan import node
@@ -84,37 +82,11 @@ def phase(store: KubeApiStore, name: str = "to-nft") -> str:
     return ((obj or {}).get("status") or {}).get("phase", "")
 
 
-@contextlib.contextmanager
-def running(settings: ClientSettings, **kwargs: Any) -> Iterator[RolloutController]:
-    """The controller on a loop of its own thread; stopped (Lease released) at the end, or
-    abandoned like a killed process with kwargs kill=True."""
-    kill = kwargs.pop("kill", False)
+def running(settings: ClientSettings, **kwargs: Any) -> Any:
+    """The controller in a thread, stepping fast, its Lease in "default"."""
     kwargs.setdefault("lease_namespace", "default")
     kwargs.setdefault("interval", 0.05)
-    controller = RolloutController(settings, **kwargs)
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    task: list[asyncio.Task[None]] = []
-
-    def main() -> None:
-        async def go() -> None:
-            task.append(asyncio.current_task())  # type: ignore[arg-type]
-            with contextlib.suppress(asyncio.CancelledError):
-                await controller.run(stop)
-
-        loop.run_until_complete(go())
-
-    thread = threading.Thread(target=main, daemon=True)
-    thread.start()
-    try:
-        yield controller
-    finally:
-        if kill:
-            loop.call_soon_threadsafe(task[0].cancel)
-        else:
-            loop.call_soon_threadsafe(stop.set)
-        thread.join(10)
-        loop.close()
+    return running_in_thread(settings, **kwargs)
 
 
 def wait_for(check: Any, timeout: float = 20.0) -> None:

@@ -354,3 +354,24 @@ def test_previous_is_only_an_undos_target(fields: dict[str, Any], message: str) 
 
     with pytest.raises(RolloutSpecError, match=message):
         parse_spec(fields)
+
+
+def test_the_controllers_metrics_follow_the_status() -> None:
+    from prometheus_client import generate_latest
+
+    from kproxy.cluster.rollout.metrics import RolloutMetrics
+
+    c = cluster(count=4, stages=[{"nodes": "100%", "maxParallel": "4"}])
+    c.nodes["n2"].fail_to = "nftables"
+    c.run(st.TERMINAL)
+    metrics = RolloutMetrics()
+    metrics.observe("r1", c.status)
+    text = generate_latest(metrics.registry).decode()
+    assert 'kproxy_rollout_phase{phase="Failed",rollout="r1"} 1.0' in text
+    assert 'kproxy_rollout_phase{phase="Succeeded",rollout="r1"} 0.0' in text
+    assert 'kproxy_rollout_nodes{rollout="r1",state="Done"} 3.0' in text
+    assert 'kproxy_rollout_nodes{rollout="r1",state="RolledBack"} 1.0' in text
+    assert (
+        'kproxy_rollout_breaker_tripped{breaker="switchFailed",rollout="r1",scope="Node"} 1.0'
+        in text
+    )

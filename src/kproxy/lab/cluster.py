@@ -60,6 +60,7 @@ class ClusterLab:
     workdir: Path
     mode: str = "iptables"
     zones: tuple[str, ...] = ("zone-a", "zone-b")
+    services: int = 0  # more Services beside "web" (scale), each with the same endpoints
     store: KubeApiStore = field(default_factory=lambda: KubeApiStore(bookmark_interval=1.0))
     # node name -> a folder searched before PATH by that node's kproxy (a broken tool)
     path_prefixes: dict[str, Path] = field(default_factory=dict)
@@ -97,6 +98,8 @@ class ClusterLab:
             for i, node in enumerate(self.lab.nodes):
                 self.store.apply(node_object(node, self.zones[i % len(self.zones)]))
             self._create_service()
+            for i in range(self.services):
+                self._create_extra_service(i)
             self._ours = KubeApiServer(self.store).start()
             for node in self.lab.nodes:
                 self._start_proxy(node)
@@ -137,6 +140,34 @@ class ClusterLab:
                     {"name": "http", "port": 8080, "protocol": "TCP"},
                     {"name": "dns", "port": 8080, "protocol": "UDP"},
                 ],
+                "endpoints": [
+                    {"addresses": [ip], "nodeName": node.name, "conditions": {"ready": True}}
+                    for ip, node in self.endpoints
+                ],
+            }
+        )
+
+    def _create_extra_service(self, i: int) -> None:
+        name = f"svc{i:05d}"
+        self.store.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+            }
+        )
+        self.store.create(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": f"{name}-1",
+                    "namespace": NAMESPACE,
+                    "labels": {"kubernetes.io/service-name": name},
+                },
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
                 "endpoints": [
                     {"addresses": [ip], "nodeName": node.name, "conditions": {"ready": True}}
                     for ip, node in self.endpoints

@@ -16,8 +16,9 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -227,3 +228,35 @@ class RolloutController:
             await json_request(conn, "POST", "/api/v1/namespaces/default/events", body=body)
         except ApiError as err:  # an Event is worth less than the step: never fail it
             log.warning("event %s not posted: %s", json.dumps(event.reason), err)
+
+
+@contextlib.contextmanager
+def running_in_thread(
+    settings: ClientSettings, *, kill: bool = False, **kwargs: Any
+) -> Iterator[RolloutController]:
+    """The controller on an event loop of its own thread, for the lab, tests and benchmarks:
+    stopped at the end (its Lease released), or with kill=True abandoned mid-step as a killed
+    process would be (its Lease left to expire)."""
+    controller = RolloutController(settings, **kwargs)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    task: list[asyncio.Task[None]] = []
+
+    async def go() -> None:
+        task.append(asyncio.current_task())  # type: ignore[arg-type]
+        with contextlib.suppress(asyncio.CancelledError):
+            await controller.run(stop)
+
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(go()), name="rollout-controller", daemon=True
+    )
+    thread.start()
+    try:
+        yield controller
+    finally:
+        if kill:
+            loop.call_soon_threadsafe(task[0].cancel)
+        else:
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()
