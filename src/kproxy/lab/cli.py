@@ -47,17 +47,19 @@ def _describe(lab: Lab) -> dict[str, Any]:
 
 def _print_human(lab: Lab) -> None:
     echo = typer.echo
-    echo(
-        f"  {'node':<8} {lab.node_ns:<16} {lab.node_ip:<12} br-ext, default via "
-        f"{lab.node_gateway} (nothing there)"
-    )
+    for node in lab.nodes:
+        echo(
+            f"  {'node':<8} {node.ns:<16} {node.ip:<12} {node.name}, pod CIDR "
+            f"{node.pod_cidr}, default via {lab.node_gateway} (nothing there)"
+        )
     for ns, ip in zip(lab.client_ns, lab.client_ips, strict=True):
         echo(f"  {'client':<8} {ns:<16} {ip:<12} default via {lab.node_ip}")
     for spec, ns in zip(lab.pods, lab.pod_ns, strict=True):
         ports = f"tcp {','.join(map(str, spec.tcp_ports)) or '-'} "
         ports += f"udp {','.join(map(str, spec.udp_ports)) or '-'}"
-        echo(f"  {'pod':<8} {ns:<16} {lab.pod_ips[spec.name]:<12} {spec.name}: {ports}")
-    echo(f"  pod CIDR {lab.pod_cidr}, cluster CIDR {lab.cluster_cidr}")
+        where = f" on {lab.pod_nodes[spec.name].name}" if len(lab.nodes) > 1 else ""
+        echo(f"  {'pod':<8} {ns:<16} {lab.pod_ips[spec.name]:<12} {spec.name}{where}: {ports}")
+    echo(f"  cluster CIDR {lab.cluster_cidr}")
 
 
 @lab_app.command("up")
@@ -66,6 +68,10 @@ def up(
     clients: Annotated[
         int, typer.Option("--clients", min=0, max=250, help="Number of client namespaces.")
     ] = 2,
+    nodes: Annotated[
+        int,
+        typer.Option("--nodes", min=1, max=9, help="Node namespaces (pods are spread over them)."),
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
     """Build a lab and leave it running; prints its id, namespaces and addresses.
@@ -77,7 +83,7 @@ def up(
 
     _require_support()
     try:
-        lab = Lab(pods=pods, clients=clients).up()
+        lab = Lab(pods=pods, clients=clients, nodes=nodes).up()
     except (LabError, OSError, ValueError) as exc:
         typer.echo(f"error: lab did not come up: {exc}", err=True)
         raise typer.Exit(1) from exc
