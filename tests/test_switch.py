@@ -13,9 +13,8 @@ import pytest
 from kproxy.dataplane.base import SyncResult
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import snapshot_from_objects
-from kproxy.ops.inspect import destinations
 from kproxy.ops.inspect.destinations import expected_destinations
-from kproxy.ops.snapshot import recorded_source
+from kproxy.ops.snapshot import programmed_in
 from kproxy.switch import ModeSwitcher
 from tests.objects import endpoint, endpoint_slice, port, service
 
@@ -83,7 +82,7 @@ def switcher_for(
         state_dir=state_dir,
         prober=prober,
         snapshotter=snapshotter or (lambda: kernel),
-        plane_reader=lambda name: destinations.programmed(recorded_source(kernel)).get(name, {}),
+        plane_reader=lambda name: programmed_in(kernel).get(name, {}),
     )
 
 

@@ -162,9 +162,14 @@ def recorded_source(document: Mapping[str, Any]) -> RecordedSource:
     return RecordedSource(dumps=_SectionOutputs(document))
 
 
+def programmed_in(document: Mapping[str, Any]) -> Programmed:
+    """Per dataplane, the service destinations a document's kernel programs."""
+    return programmed(recorded_source(document))
+
+
 def diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     """Human findings: which service destinations one snapshot programs and the other lacks."""
-    sa, sb = programmed(recorded_source(a)), programmed(recorded_source(b))
+    sa, sb = programmed_in(a), programmed_in(b)
     union_a = {k: v for d in sa.values() for k, v in d.items()}
     union_b = {k: v for d in sb.values() for k, v in d.items()}
     where_a = ", ".join(sorted(sa)) or "no dataplane"

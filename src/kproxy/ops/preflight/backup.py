@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kproxy.ops.inspect.destinations import expected_destinations, programmed
+from kproxy.ops.inspect.destinations import expected_destinations
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, block, info, warn
 from kproxy.ops.preflight.kernelstate import KernelState
-from kproxy.ops.snapshot import recorded_source
+from kproxy.ops.snapshot import programmed_in
 
 KEEP_BACKUPS = 5
 PREFIX = "preflight-backup-"
@@ -189,7 +189,7 @@ def check_backup(ctx: Context) -> list[Finding]:
                 [f"kproxy snapshot -o /root/{mode}-backup.json"],
             )
         ]
-    again = programmed(recorded_source(back))
+    again = programmed_in(back)
     if {p: again.get(p) for p in planes} != {p: found.get(p) for p in planes}:
         return [
             block(

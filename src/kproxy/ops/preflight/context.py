@@ -183,10 +183,9 @@ class Context:
     def programmed(self) -> Programmed:
         """Per dataplane, the service destinations the kernel state programs (read by the
         inspect readers, ops.inspect.destinations)."""
-        from kproxy.ops.inspect.destinations import programmed
-        from kproxy.ops.snapshot import recorded_source
+        from kproxy.ops.snapshot import programmed_in
 
-        return programmed(recorded_source(self.kernel_snapshot))
+        return programmed_in(self.kernel_snapshot)
 
     @cached_property
     def addresses(self) -> list[tuple[str, str, str]]:
