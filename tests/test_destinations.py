@@ -6,6 +6,7 @@ to it."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -15,6 +16,7 @@ from kproxy.dataplane.nftables.names import endpoint_base, service_base, service
 from kproxy.model.objects import Protocol, ServicePortName
 from kproxy.ops.inspect import RecordedSource, list_services
 from kproxy.ops.inspect.destinations import programmed
+from kproxy.ops.inspect.iptables_rules import parse_chains, parse_save, split_words
 from kproxy.ops.inspect.ipvs import parse_ipvsadm_save
 from kproxy.ops.inspect.model import NODE_PORT, Destination
 from kproxy.ops.inspect.nftables_reader import SERVICE_IPS, parse_set, parse_table
@@ -198,3 +200,23 @@ def test_a_document_is_read_section_by_section_as_the_readers_ask() -> None:
     doc = Sections(document(nftables=dumps.NFT_JSON))
     found = programmed(recorded_source(doc), ["nftables"])
     assert list(found) == ["nftables"] and asked == ["nftables"]
+
+
+@pytest.mark.parametrize("save", [dumps.IPTABLES_SAVE, dumps.IPTABLES_SAVE.replace("[0:0] ", "")])
+def test_some_chains_found_alone_are_the_chains_of_the_whole_save(save: str) -> None:
+    whole = parse_save(save)
+    for table in ("nat", "filter"):
+        names = whole[table].chain_names
+        alone = parse_chains(save, table, [*names, "NO-SUCH-CHAIN"])
+        assert alone.policies == whole[table].policies
+        assert {c: alone.raw.get(c, []) for c in names} == whole[table].raw
+        assert "NO-SUCH-CHAIN" not in alone.raw
+    assert not parse_chains(save, "mangle", ["PREROUTING"]).raw
+
+
+def test_a_rule_with_one_quoted_argument_splits_as_shlex_does() -> None:
+    lines = [ln.split("] ", 1)[-1] for ln in dumps.IPTABLES_SAVE.splitlines() if "-A " in ln]
+    quoted = [ln for ln in lines if ln.count('"') == 2]
+    assert quoted
+    for line in [*quoted, '-A X -m comment --comment "" -j Y', '-A X -m comment --comment "a b"']:
+        assert split_words(line) == shlex.split(line), line

@@ -16,6 +16,7 @@ from kproxy.ops.inspect.iptables_rules import (
     Rule,
     Table,
     kind_of_comment,
+    parse_chains,
     parse_save,
     service_of_comment,
 )
@@ -60,9 +61,9 @@ def service_rules(nat: Table) -> Iterator[tuple[Rule, str, Destination]]:
 def destinations(flavour: str, source: KernelSource) -> dict[Destination, str]:
     """One backend's iptables-mode service destinations -> their service port."""
     text = source.iptables_nat(flavour)
-    nat = parse_save(text).get("nat") if text is not None else None
-    if nat is None:
+    if text is None:
         return {}
+    nat = parse_chains(text, "nat", [SERVICES])
     return {dest: service_of_comment(r.comment) or "" for r, _, dest in service_rules(nat)}
 
 

@@ -31,6 +31,7 @@ from kproxy.ops.inspect.iptables_rules import (
     Rule,
     Table,
     kind_of_comment,
+    parse_chains,
     parse_save,
     service_of_comment,
 )
@@ -357,9 +358,9 @@ def destinations(flavour: str, source: KernelSource) -> dict[Destination, str]:
     """One backend's userspace-mode service destinations (all but NodePorts) -> their
     service port."""
     text = source.iptables_nat(flavour)
-    nat = parse_save(text).get("nat") if text is not None else None
-    if nat is None:
+    if text is None:
         return {}
+    nat = parse_chains(text, "nat", NAT_CHAINS)
     return {
         Destination(p.address, p.proto, p.port): p.service
         for p in portals(nat).values()
