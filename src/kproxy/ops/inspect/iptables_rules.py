@@ -168,14 +168,14 @@ def parse_chains(text: str, table: str, chains: Iterable[str]) -> Table:
     if start < 0:
         return out
     end = text.find("\nCOMMIT", start)
-    body = text[start : end if end >= 0 else len(text)]
+    end = len(text) if end < 0 else end
     for chain in chains:
-        for prefix, line in _lines_of(body, f":{chain}"):
+        for prefix, line in _lines_of(text, f":{chain}", start, end):
             if not prefix:
                 rest = line[len(chain) + 1 :].split(None, 1)
                 out.policies[chain] = rest[0] if rest else "-"
                 out.raw.setdefault(chain, [])
-        for prefix, line in _lines_of(body, f"-A {chain}"):
+        for prefix, line in _lines_of(text, f"-A {chain}", start, end):
             counters = _COUNTERS_ALONE.fullmatch(prefix) if prefix else None
             if prefix and counters is None:
                 continue  # the text of another line's argument
@@ -186,17 +186,18 @@ def parse_chains(text: str, table: str, chains: Iterable[str]) -> Table:
     return out
 
 
-def _lines_of(body: str, head: str) -> Iterator[tuple[str, str]]:
+def _lines_of(text: str, head: str, start: int, end: int) -> Iterator[tuple[str, str]]:
     """(what precedes `head` on its line, stripped; the line from `head` on, stripped) of
-    every line where `head` is followed by a blank or the line's end."""
-    pos = body.find(head)
+    every line in text[start:end] where `head` is followed by a blank or the line's end
+    (searched in place: the table is most of a save, tens of MB)."""
+    pos = text.find(head, start, end)
     while pos >= 0:
         after = pos + len(head)
-        eol = body.find("\n", after)
-        eol = len(body) if eol < 0 else eol
-        if after == eol or body[after] in " \t\r":
-            yield body[body.rfind("\n", 0, pos) + 1 : pos].strip(), body[pos:eol].rstrip()
-        pos = body.find(head, eol)
+        eol = text.find("\n", after, end)
+        eol = end if eol < 0 else eol
+        if after == eol or text[after] in " \t\r":
+            yield text[text.rfind("\n", start, pos) + 1 : pos].strip(), text[pos:eol].rstrip()
+        pos = text.find(head, eol, end)
 
 
 def parse_save(text: str) -> dict[str, Table]:
