@@ -47,16 +47,13 @@ class Source(RecordedSource):
         ]
         return [svc]
 
-    def _cached(self, key: str, argv: list[str]) -> str | None:
-        if key == "ipset":
-            return IPSET
-        if key == "kube-ipvs0":
-            return '[{"addr_info":[{"local":"10.96.0.10"}]}]'
-        return None
-
 
 def source() -> Source:
-    return Source(iptables={"legacy": SAVE}, local_addresses=["10.100.0.1", "10.96.0.10"])
+    return Source(
+        iptables={"legacy": SAVE},
+        local_addresses=["10.100.0.1", "10.96.0.10"],
+        dumps={"ipset": IPSET, "kube-ipvs0": '[{"addr_info":[{"local":"10.96.0.10"}]}]'},
+    )
 
 
 def test_list_reads_ipvs_counters_and_covers_the_iptables_view() -> None:

@@ -11,7 +11,7 @@ from kproxy.dataplane.ipvs.drain import Draining, busy, parse_conn_table
 from kproxy.dataplane.ipvs.netlink import KernelDest, KernelService
 from kproxy.dataplane.ipvs.nlsock import Request
 from kproxy.dataplane.ipvs.plan import VSKey
-from kproxy.ops.snapshot import services
+from kproxy.ops.snapshot import programmed_in
 from kproxy.switch import ModeSwitcher
 from tests.test_switch import PROGRAMMED, SNAP, Plane
 
@@ -227,7 +227,7 @@ def switcher_for(calls: list[str]) -> ModeSwitcher:
         state_dir=None,
         prober=lambda ip, p: None,
         snapshotter=lambda: PROGRAMMED,
-        plane_reader=lambda plane: services(PROGRAMMED).get(plane, {}),
+        plane_reader=lambda plane: programmed_in(PROGRAMMED).get(plane, {}),
     )
 
 

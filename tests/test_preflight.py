@@ -927,7 +927,7 @@ def test_json_report_shape(fake: FakeNode) -> None:
 
 def test_the_kernel_state_reads_a_section_only_when_a_check_needs_it(fake: FakeNode) -> None:
     from kproxy.ops.preflight.kernelstate import KernelState
-    from kproxy.ops.snapshot import services
+    from kproxy.ops.snapshot import programmed_in
 
     table = {"nftables": [{"table": {"family": "ip", "name": "kube-proxy", "handle": 1}}]}
     fake.command(["nft", "-j", "list", "table", "ip", "kube-proxy"], 0, json.dumps(table))
@@ -949,7 +949,7 @@ def test_the_kernel_state_reads_a_section_only_when_a_check_needs_it(fake: FakeN
         "count": 10,
         "max": 262144,
     }
-    assert set(services(doc)) == {"iptables-nft"}
+    assert set(programmed_in(doc)) == {"iptables-nft"}
 
 
 # --- the remaining findings, one condition each ------------------------------------------------

@@ -13,8 +13,9 @@ import pytest
 from kproxy.dataplane.base import Dataplane, SyncResult
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import snapshot_from_objects
-from kproxy.ops.snapshot import services
-from kproxy.switch import ModeSwitcher, expected_destinations
+from kproxy.ops.inspect.destinations import expected_destinations
+from kproxy.ops.snapshot import programmed_in
+from kproxy.switch import ModeSwitcher
 from tests.objects import endpoint, endpoint_slice, port, service
 
 
@@ -51,17 +52,18 @@ SNAP = snapshot_from_objects(
 )
 
 
-def programmed(*ips: str) -> dict:
+def kernel_with(*ips: str) -> dict:
     """A snapshot whose nftables service-ips map holds these ClusterIP/externalIP keys."""
     elems = [
         [{"concat": [ip, "tcp", 80]}, {"goto": {"target": "service-X-default/web/tcp/http"}}]
         for ip in ips
     ]
-    table = {"nftables": [{"map": {"table": "kube-proxy", "name": "service-ips", "elem": elems}}]}
+    service_ips = {"family": "ip", "table": "kube-proxy", "name": "service-ips", "elem": elems}
+    table = {"nftables": [{"map": service_ips}]}
     return {"format": "kproxy-snapshot/v1", "nftables": {"output": json.dumps(table)}}
 
 
-PROGRAMMED = programmed("10.96.0.10", "10.99.0.10")
+PROGRAMMED = kernel_with("10.96.0.10", "10.99.0.10")
 
 
 def switcher_for(
@@ -80,7 +82,7 @@ def switcher_for(
         state_dir=state_dir,
         prober=prober,
         snapshotter=snapshotter or (lambda: kernel),
-        plane_reader=lambda name: services(kernel).get(name, {}),
+        plane_reader=lambda name: programmed_in(kernel).get(name, {}),
     )
 
 
@@ -181,7 +183,7 @@ def test_a_fresh_preflight_backup_is_the_before_record(tmp_path: Path) -> None:
 
 def test_verification_failure_rolls_back_and_keeps_the_old_mode(tmp_path: Path) -> None:
     calls: list[str] = []
-    missing_one = programmed("10.96.0.10")
+    missing_one = kernel_with("10.96.0.10")
     switcher = switcher_for(calls, programmed=missing_one)
     old = Plane("iptables", calls)
     report, now = switcher.switch(old, SNAP, "nftables", timeout=30)

@@ -93,7 +93,7 @@ def snapshot(
 ) -> None:
     """Record this node's dataplane (iptables of both backends, nftables, IPVS, ipsets,
     kube-ipvs0, conntrack usage) as one JSON document. Read only."""
-    from kproxy.ops.snapshot import services, take
+    from kproxy.ops.snapshot import programmed_in, take
     from kproxy.ops.snapshot_file import write_node_snapshot
 
     if output is None:
@@ -101,7 +101,7 @@ def snapshot(
         sys.stdout.write("\n")
         return
     write_node_snapshot(output)
-    found = services(json.loads(output.read_text()))
+    found = programmed_in(json.loads(output.read_text()))
     summary = ", ".join(f"{name}: {len(keys)} service destinations" for name, keys in found.items())
     typer.echo(f"wrote {output} ({summary or 'no kube-proxy dataplane found'})")
 

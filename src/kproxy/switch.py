@@ -7,8 +7,9 @@ Order (each step timed in the report):
   anchor     conntrack and NAT hooks held for the whole switch (dataplane-lab G14)
   program    the new mode completely, beside the old one (both in the packet path now;
              both DNAT to the same endpoints, the first binding wins, so this is harmless)
-  verify     every service destination of the snapshot is in the new mode's kernel state,
-             and a sample of services answers from the node
+  verify     every service destination of the snapshot is in the new mode's kernel state
+             (read back by the readers `kproxy list` uses), and a sample of services
+             answers from the node
   cut-over   the old mode leaves the packet path in one step (Dataplane.detach)
   remove     the old mode's state goes (the switch's duration ends here)
   snapshot-after  the node's dataplane again, kept beside the first: written in the
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kproxy.conntrack import delete_unreplied_syn_to
 from kproxy.dataplane.anchor import ConntrackAnchor
@@ -43,8 +45,10 @@ from kproxy.dataplane.base import (
 from kproxy.memory import release_free_heap
 from kproxy.model.objects import Protocol, Snapshot
 from kproxy.modes import MODES
-from kproxy.ops.snapshot import ServiceKey, plane_services
 from kproxy.ops.snapshot_file import write_node_snapshot
+
+if TYPE_CHECKING:
+    from kproxy.ops.inspect.model import Destination
 
 log = logging.getLogger("kproxy.switch")
 
@@ -93,24 +97,9 @@ class SwitchFailed(Exception):
 
 
 def plane_name(dp: Dataplane) -> str:
-    """The dataplane's key in ops.snapshot.services()."""
+    """The dataplane's name among the readers' (ops.inspect.readers)."""
     flavour = dp.iptables_flavour
     return f"{dp.mode}-{flavour}" if dp.mode in ("iptables", "userspace") and flavour else dp.mode
-
-
-def expected_destinations(snapshot: Snapshot) -> set[ServiceKey]:
-    """What any mode must program for this snapshot: ClusterIPs with internal endpoints,
-    externalIPs and LoadBalancer IPs with endpoints."""
-    out: set[ServiceKey] = set()
-    for sp in snapshot.services.values():
-        proto = sp.protocol.lower
-        if sp.has_internal_endpoints:
-            out.add(ServiceKey(sp.cluster_ip, proto, sp.port))
-        if sp.any_endpoints:
-            out.update(
-                ServiceKey(ip, proto, sp.port) for ip in (*sp.external_ips, *sp.load_balancer_ips)
-            )
-    return out
 
 
 def probe(ip: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
@@ -145,8 +134,11 @@ class ModeSwitcher:
         state_dir: Path | None,
         prober: Callable[[str, int], str | None] = probe,
         snapshotter: Callable[[], dict[str, object]] | None = None,
-        plane_reader: Callable[[str], dict[ServiceKey, str]] = plane_services,
+        plane_reader: Callable[[str], dict[Destination, str]] | None = None,
     ) -> None:
+        """plane_reader: a dataplane's service destinations by its name (default: read
+        from the kernel by ops.inspect's readers, imported when a switch verifies: the
+        daemon does not load the inspectors before)."""
         self.make_dataplane = make_dataplane
         self.state_dir = state_dir
         self.prober = prober
@@ -328,13 +320,14 @@ class ModeSwitcher:
         return f"{result.services} service ports, {result.pieces} transactions"
 
     def _verify(self, new: Dataplane, snapshot: Snapshot) -> str:
-        expected = expected_destinations(snapshot)
-        programmed = set(self.plane_reader(plane_name(new)))
-        missing = sorted(expected - programmed)
+        from kproxy.ops.inspect.destinations import missing_destinations, plane_destinations
+
+        read = self.plane_reader or plane_destinations
+        missing, expected = missing_destinations(snapshot, read(plane_name(new)))
         if missing:
             shown = ", ".join(str(k) for k in missing[:10])
             raise SwitchFailed(
-                f"{new.mode} is missing {len(missing)} of {len(expected)} service destinations"
+                f"{new.mode} is missing {len(missing)} of {expected} service destinations"
                 f" in the kernel: {shown}"
             )
         candidates = sorted(
@@ -353,7 +346,7 @@ class ModeSwitcher:
                 f"self-probe failed for {len(failures)} of {len(sample)} services: "
                 + "; ".join(failures)
             )
-        return f"{len(expected)} destinations in the kernel, {len(sample)} services answered"
+        return f"{expected} destinations in the kernel, {len(sample)} services answered"
 
     def _detach(self, old: Dataplane) -> str:
         old.detach()

@@ -2,47 +2,28 @@
 
 A snapshot holds what the kernel has, whatever wrote it: iptables-save of both backends,
 kube-proxy's nftables tables, IPVS virtual servers, ipsets, kube-ipvs0's addresses and conntrack
-usage. `services()` reads the service ports each dataplane actually programs, so `diff`
-can say "present in A's iptables rules, missing from B's nftables maps" across a switch.
+usage. recorded_source() hands a document to the readers `kproxy list` uses
+(ops.inspect), so `diff` can say "present in A's iptables rules, missing from B's nftables
+maps" across a switch, exactly as the kernel read back would.
 """
 
 from __future__ import annotations
 
-import json
 import platform
-import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kproxy.host.commands import in_netns
 
+if TYPE_CHECKING:  # the readers load only when a document is read (the daemon writes them)
+    from kproxy.ops.inspect.destinations import Programmed
+    from kproxy.ops.inspect.kernel import RecordedSource
+    from kproxy.ops.inspect.model import Destination
+
 FORMAT = "kproxy-snapshot/v1"
-# Service rules in KUBE-SERVICES, in either our restore order or iptables-save's order.
-_IPT_COMMENT = re.compile(
-    r'--comment "?(?P<name>[^" ]+) (?:cluster IP|external IP|loadbalancer IP)"?'
-)
-_IPT_PROTO = re.compile(r"-p (tcp|udp|sctp)\b")
-_IPT_DEST = re.compile(r"-d ([0-9.]+)(?:/32)?\b")
-_IPT_DPORT = re.compile(r"--dport (\d+)")
-
-
-def _iptables_service(line: str) -> tuple[str, ServiceKey, str] | None:
-    """(mode, destination, service) of a service rule: iptables mode's KUBE-SERVICES or
-    userspace mode's KUBE-PORTALS-CONTAINER (both modes may share one backend mid-switch)."""
-    if line.startswith("-A KUBE-SERVICES "):
-        mode = "iptables"
-    elif line.startswith("-A KUBE-PORTALS-CONTAINER "):
-        mode = "userspace"
-    else:
-        return None
-    c, p, d, n = (r.search(line) for r in (_IPT_COMMENT, _IPT_PROTO, _IPT_DEST, _IPT_DPORT))
-    if not (c and p and d and n):
-        return None
-    return mode, ServiceKey(d[1], p[1], int(n[1])), c["name"]
 
 
 def _run(
@@ -158,101 +139,43 @@ def take(netns: str | None = None) -> dict[str, Any]:
     return snap
 
 
-@dataclass(frozen=True, order=True)
-class ServiceKey:
-    ip: str
-    proto: str
-    port: int
+class _SectionOutputs(Mapping[str, str | None]):
+    """A document's sections as a RecordedSource's dumps: a section is named by the key a
+    live source reads the same command under. Read one by one as the readers ask (a
+    preflight's kernel state runs a section's command on first use)."""
 
-    def __str__(self) -> str:
-        return f"{self.proto} {self.ip}:{self.port}"
+    def __init__(self, document: Mapping[str, Any]) -> None:
+        self._document = document
 
+    def __getitem__(self, key: str) -> str | None:
+        section = self._document.get(key)
+        output = section.get("output") if isinstance(section, Mapping) else None
+        return output if isinstance(output, str) and output else None
 
-def services(snap: dict[str, Any]) -> dict[str, dict[ServiceKey, str]]:
-    """Per dataplane, the programmed service destinations -> the service they belong to."""
-    out: dict[str, dict[ServiceKey, str]] = {}
-    for backend in ("iptables-nft", "iptables-legacy"):
-        text = snap.get(backend, {}).get("output", "")
-        flavour = backend.split("-", 1)[1]
-        for line in text.splitlines():
-            hit = _iptables_service(line)
-            if hit:
-                mode, key, name = hit
-                out.setdefault(f"{mode}-{flavour}", {})[key] = name
-    nft = _nft_services(snap.get("nftables", {}).get("output", ""))
-    if nft:
-        out["nftables"] = nft
-    ipvs = _ipvs_services(snap.get("ipvs", {}).get("output", ""))
-    if ipvs:
-        out["ipvs"] = ipvs
-    return out
+    def __iter__(self) -> Iterator[str]:
+        return (key for key, _ in SECTIONS)
+
+    def __len__(self) -> int:
+        return len(SECTIONS)
 
 
-# The one read that shows a plane's service destinations, for a switch's verification: a
-# whole-node snapshot would also dump the other planes (seconds at 10,000 services).
-_PLANE_READS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "iptables-nft": ("iptables-nft", ("iptables-nft-save", "-t", "nat")),
-    # legacy: never -t (it would create the table in the kernel, G7); a save is one read anyway
-    "iptables-legacy": ("iptables-legacy", ("iptables-legacy-save",)),
-    "nftables": ("nftables", ("nft", "-j", "list", "map", "ip", "kube-proxy", "service-ips")),
-    "ipvs": ("ipvs", ("ipvsadm", "-S", "-n")),
-}
+def recorded_source(document: Mapping[str, Any]) -> RecordedSource:
+    """A snapshot document (or preflight's KernelState) as the readers' kernel source."""
+    from kproxy.ops.inspect.kernel import RecordedSource
+
+    return RecordedSource(dumps=_SectionOutputs(document))
 
 
-def plane_services(plane: str, netns: str | None = None) -> dict[ServiceKey, str]:
-    """The service destinations one plane (a key of services()) has in the kernel now."""
-    backend = plane.split("-", 1)[1] if plane.startswith("userspace-") else None
-    section, argv = _PLANE_READS[f"iptables-{backend}" if backend else plane]
-    return services({section: _section(argv, netns)}).get(plane, {})
+def programmed_in(document: Mapping[str, Any]) -> Programmed:
+    """Per dataplane, the service destinations a document's kernel programs."""
+    from kproxy.ops.inspect.destinations import programmed
+
+    return programmed(recorded_source(document))
 
 
-def _nft_services(text: str) -> dict[ServiceKey, str]:
-    # The ruleset also holds iptables-nft's tables (megabytes of JSON at 1,000 services):
-    # without kube-proxy's service map there is nothing to decode.
-    if '"service-ips"' not in text:
-        return {}
-    try:
-        items = json.loads(text).get("nftables", [])
-    except ValueError:
-        return {}
-    found: dict[ServiceKey, str] = {}
-    for item in items:
-        m = item.get("map")
-        if not m or m.get("table") != "kube-proxy" or m.get("name") != "service-ips":
-            continue
-        for elem in m.get("elem", []):
-            key, verdict = elem[0], elem[1]
-            parts = key.get("concat", []) if isinstance(key, dict) else []
-            if len(parts) != 3:
-                continue
-            target = ""
-            for v in verdict.values() if isinstance(verdict, dict) else ():
-                if isinstance(v, dict):
-                    target = v.get("target", "")
-            # Chain names carry ns/svc/proto/port after an 8-character hash prefix.
-            parts_of_name = target.split("-", 2)[-1].split("/") if target else []
-            name = ""
-            if len(parts_of_name) == 4:
-                ns, svc, _, port_name = parts_of_name
-                name = f"{ns}/{svc}" + (f":{port_name}" if port_name else "")
-            found[ServiceKey(str(parts[0]), str(parts[1]), int(parts[2]))] = name
-    return found
-
-
-def _ipvs_services(text: str) -> dict[ServiceKey, str]:
-    found: dict[ServiceKey, str] = {}
-    for line in text.splitlines():
-        # `-A -t 10.96.0.10:80 -s rr`
-        m = re.match(r"^-A -(?P<p>[tuq]) (?P<ip>[0-9.]+):(?P<port>\d+)", line)
-        if m:
-            proto = {"t": "tcp", "u": "udp", "q": "sctp"}[m["p"]]
-            found[ServiceKey(m["ip"], proto, int(m["port"]))] = ""
-    return found
-
-
-def diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+def diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     """Human findings: which service destinations one snapshot programs and the other lacks."""
-    sa, sb = services(a), services(b)
+    sa, sb = programmed_in(a), programmed_in(b)
     union_a = {k: v for d in sa.values() for k, v in d.items()}
     union_b = {k: v for d in sb.values() for k, v in d.items()}
     where_a = ", ".join(sorted(sa)) or "no dataplane"
@@ -280,5 +203,5 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
-def _owner(per_plane: dict[str, dict[ServiceKey, str]], key: ServiceKey) -> str:
+def _owner(per_plane: Programmed, key: Destination) -> str:
     return ", ".join(sorted(name for name, keys in per_plane.items() if key in keys))

@@ -28,6 +28,8 @@ EXTERNAL_PREFIX = "external-"
 FIREWALL_PREFIX = "firewall-"
 ENDPOINT_PREFIX = "endpoint-"
 AFFINITY_PREFIX = "affinity-"
+# The prefixes of per-service and per-endpoint chains (service_port_of decodes their names).
+CHAIN_PREFIXES = (SERVICE_PREFIX, LOCAL_PREFIX, EXTERNAL_PREFIX, FIREWALL_PREFIX, ENDPOINT_PREFIX)
 
 # Fixed chains, sets and maps.
 FILTER_PREROUTING_PRE_DNAT = "filter-prerouting-pre-dnat"
@@ -79,6 +81,25 @@ def endpoint_base(name: ServicePortName, ip: str, port: int) -> str:
     return hash_and_truncate(
         f"{name.namespace}/{name.name}/{name.protocol.lower}/{name.port}__{host}/{port}"
     )
+
+
+def service_port_of(chain: str) -> str:
+    """The service port a chain of service_base / endpoint_base belongs to, as kube-proxy's
+    comments name it: 'service-SUSTUHLJ-default/web/tcp/http' -> 'default/web:http' ("" for
+    other chains; a truncated name as it stands)."""
+    for prefix in CHAIN_PREFIXES:
+        if chain.startswith(prefix):
+            rest = chain[len(prefix) :]
+            break
+    else:
+        return ""
+    _hash, _, name = rest.partition("-")
+    name = name.split("__", 1)[0]  # an endpoint chain's "__IP/PORT"
+    parts = name.split("/")
+    if len(parts) != 4:
+        return name
+    ns, svc, _proto, port = parts
+    return f"{ns}/{svc}:{port}" if port else f"{ns}/{svc}"
 
 
 def is_service_chain(chain: str) -> bool:

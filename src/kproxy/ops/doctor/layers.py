@@ -61,7 +61,7 @@ class ServiceView:
     view: ObjectView | None
     servers: list[VirtualServer] | None  # None: no readable live dataplane
     planes: list[str]
-    programmed: set[tuple[str, str, int]]  # (proto, ip, port) from ops.snapshot.services()
+    programmed: set[tuple[str, str, int]]  # (proto, ip, port): ops.inspect.destinations
     conntrack: list[ConntrackEntry] | None
     probe: Callable[[list[tuple[str, int]]], dict[tuple[str, int], str]] | None
     node_ip: str = ""

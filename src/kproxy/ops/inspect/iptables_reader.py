@@ -10,10 +10,13 @@ a filter rule (REJECT / DROP) in KUBE-SERVICES or KUBE-EXTERNAL-SERVICES.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from kproxy.ops.inspect.iptables_rules import (
     Rule,
     Table,
     kind_of_comment,
+    parse_chains,
     parse_save,
     service_of_comment,
 )
@@ -23,6 +26,7 @@ from kproxy.ops.inspect.model import (
     ANY_ADDRESS,
     EXTERNAL,
     NODE_PORT,
+    Destination,
     Packet,
     RealServer,
     VirtualServer,
@@ -41,6 +45,26 @@ OTHER_MODES = {
 }
 # Chains kubelet owns; they alone do not make a kube-proxy dataplane.
 KUBELET_CHAINS = ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT", "KUBE-PROXY-CANARY")
+
+
+def service_rules(nat: Table) -> Iterator[tuple[Rule, str, Destination]]:
+    """(rule, kind, destination) of each nat KUBE-SERVICES rule that sends a ClusterIP,
+    external IP or LoadBalancer IP to its service's chains."""
+    for r in nat.rules(SERVICES):
+        kind = kind_of_comment(r.comment)
+        dst, proto, port = r.address("-d"), r.proto, r.dport
+        if kind is None or not (dst and proto and port):
+            continue
+        yield r, kind, Destination(strip_host_prefix(dst), proto, port)
+
+
+def destinations(flavour: str, source: KernelSource) -> dict[Destination, str]:
+    """One backend's iptables-mode service destinations -> their service port."""
+    text = source.iptables_nat(flavour)
+    if text is None:
+        return {}
+    nat = parse_chains(text, "nat", [SERVICES])
+    return {dest: service_of_comment(r.comment) or "" for r, _, dest in service_rules(nat)}
 
 
 class IptablesView:
@@ -129,15 +153,11 @@ class IptablesView:
             have.notes += vs.notes
             return have
 
-        for r in nat.rules(SERVICES):
-            kind = kind_of_comment(r.comment)
-            dst, proto, port = r.address("-d"), r.proto, r.dport
-            if kind is None or not (dst and proto and port):
-                continue
+        for r, kind, dest in service_rules(nat):
             vs = VirtualServer(
-                proto,
-                strip_host_prefix(dst),
-                port,
+                dest.proto,
+                dest.ip,
+                dest.port,
                 service=service_of_comment(r.comment) or "",
                 kind=kind,
                 chain=r.target or "",

@@ -35,6 +35,7 @@ from kproxy.ops.inspect.model import (
     LOAD_BALANCER,
     NODE_PORT,
     REJECT,
+    Destination,
     Outcome,
     Packet,
     RealServer,
@@ -103,8 +104,9 @@ def _stats_of(attrs: dict[int, bytes], plain: int, wide: int) -> dict[str, int]:
     return parse_stats(attrs[plain]) if plain in attrs else {}
 
 
-def read_ipvs(netns: str | None) -> list[IpvsService] | None:
-    """Every IPv4 virtual server with its real servers and counters (None: no IPVS here)."""
+def read_ipvs(netns: str | None, *, real_servers: bool = True) -> list[IpvsService] | None:
+    """Every IPv4 virtual server with its counters, and its real servers unless told not to
+    (a dump per virtual server), None when there is no IPVS here."""
     try:
         client = nl.IpvsNetlink(netns)
     except (nl.IpvsUnavailable, OSError):
@@ -124,6 +126,9 @@ def read_ipvs(netns: str | None) -> list[IpvsService] | None:
                 svc.timeout,
                 _stats_of(attrs, SVC_STATS, SVC_STATS64),
             )
+            out.append(item)
+            if not real_servers:
+                continue
             req = nl._genl(nl.CMD_GET_DEST, nla(nl.ATTR_SERVICE, nl.service_key_attrs(svc.key)))
             try:
                 replies = client.sock.dump(client.family, req)
@@ -145,10 +150,46 @@ def read_ipvs(netns: str | None) -> list[IpvsService] | None:
                         _stats_of(da, DEST_STATS, DEST_STATS64),
                     )
                 )
-            out.append(item)
         return out
     finally:
         client.close()
+
+
+# `ipvsadm -S -n`'s protocol options (render.PROTO_FLAG) and forwarding methods.
+_SAVE_PROTOCOLS = {"-t": "TCP", "-u": "UDP", "--sctp-service": "SCTP"}
+_SAVE_FORWARDS = {"-m": "Masq", "-i": "Tunnel", "-g": "Route"}
+
+
+def _next_words(words: list[str]) -> dict[str, str]:
+    """{word: the word after it}: an option's value (a flag maps to what follows it)."""
+    return dict(zip(words, [*words[1:], ""], strict=True))
+
+
+def parse_ipvsadm_save(text: str) -> list[IpvsService]:
+    """`ipvsadm -S -n` (IPv4 virtual servers, as read_ipvs gives) -> virtual servers with
+    their real servers; no counters (the text has none)."""
+    services: dict[VSKey, IpvsService] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) < 3 or words[0] not in ("-A", "-a") or words[1] not in _SAVE_PROTOCOLS:
+            continue
+        host, _, port = words[2].rpartition(":")
+        if not port.isdigit() or ":" in host or host.startswith("["):
+            continue
+        key = VSKey(_SAVE_PROTOCOLS[words[1]], host, int(port))
+        opts = _next_words(words[3:])
+        if words[0] == "-A":
+            flags = n.FLAG_PERSISTENT if "-p" in opts else 0
+            flags |= n.FLAG_ONEPACKET if "-o" in opts else 0
+            timeout = int(opts["-p"]) if opts.get("-p", "").isdigit() else 0
+            services[key] = IpvsService(key, opts.get("-s", ""), flags, timeout)
+        elif key in services and "-r" in opts:
+            ip, _, dport = opts["-r"].rpartition(":")
+            forward = next((f for o, f in _SAVE_FORWARDS.items() if o in opts), "Masq")
+            weight = int(opts["-w"]) if opts.get("-w", "").isdigit() else 1
+            dest = IpvsDest(ip, int(dport) if dport.isdigit() else 0, weight, forward, 0, 0)
+            services[key].dests.append(dest)
+    return list(services.values())
 
 
 def parse_ipset_save(text: str) -> dict[str, tuple[str, set[str]]]:
@@ -448,7 +489,7 @@ class IpvsView:
 
 
 def _dummy_addresses(source: KernelSource) -> set[str]:
-    text = source._cached("kube-ipvs0", ["ip", "-j", "addr", "show", "dev", n.DUMMY_DEVICE])
+    text = source.device_addr(n.DUMMY_DEVICE)
     if text is None:
         return set()
     from kproxy.ops.inspect.kernel import parse_ip_addr
@@ -465,23 +506,47 @@ def _ipvs_flavour(source: KernelSource) -> tuple[str | None, str | None]:
     return None, None
 
 
-def load(source: KernelSource) -> IpvsView | None:
-    """The ipvs view of the node, or None when IPVS holds nothing and kube-ipvs0 is absent."""
+def _virtual_servers(
+    source: KernelSource, *, real_servers: bool = True
+) -> list[IpvsService] | None:
+    """IPVS's virtual servers: over netlink (with counters) live, `ipvsadm -S -n` recorded."""
     given = getattr(source, "ipvs_services", None)
     if callable(given):
-        services = given()
-    elif source.recorded:
-        return None
-    else:
-        services = read_ipvs(source.netns)
+        services: list[IpvsService] | None = given()
+        return services
+    if source.recorded:
+        text = source.ipvsadm_save()
+        return parse_ipvsadm_save(text) if text is not None else None
+    return read_ipvs(source.netns, real_servers=real_servers)
+
+
+def destinations(source: KernelSource) -> dict[Destination, str]:
+    """Every virtual server, unnamed: IPVS keeps no names, and without the ipsets no kind."""
+    return {
+        Destination(s.key.address, s.key.protocol.lower(), s.key.port): ""
+        for s in _virtual_servers(source, real_servers=False) or ()
+    }
+
+
+def load(source: KernelSource) -> IpvsView | None:
+    """The ipvs view of the node, or None when IPVS holds nothing and kube-ipvs0 is absent."""
+    services = _virtual_servers(source)
     if services is None:
         return None
     if not services and not _dummy_addresses(source):
         return None
     flavour, text = _ipvs_flavour(source)
-    raw = source._cached("ipset", ["ipset", "save"])
+    raw = source.ipset_save()
     sets = parse_ipset_save(raw) if raw is not None else None
     return IpvsView(services, source, flavour, text, sets)
 
 
-__all__ = ["IpvsView", "load", "parse_ipset_save", "parse_stats", "read_ipvs"]
+__all__ = [
+    "IpvsView",
+    "destinations",
+    "load",
+    "parse_ipset_save",
+    "parse_ipvsadm_save",
+    "parse_stats",
+    "read_ipvs",
+]

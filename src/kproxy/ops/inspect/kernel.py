@@ -1,12 +1,14 @@
 """Where the readers get the kernel's state: live (read-only commands in a netns) or recorded.
 
-Everything here only reads: `iptables-<flavour>-save -c` (a full save, never `-t`, which
-for legacy would create the table), `nft -j list table ip kube-proxy`, `ip -j addr`,
-`conntrack -L -o extended`, /proc/net/xt_recent/<list> and /proc/timer_list. Results are
-cached per source; refresh() forgets them (for the second read of `--rate`).
+Everything here only reads: `iptables-<flavour>-save -c` (a full save; `-t nat` only for
+nft, since for legacy it would create the table), `nft -j list table ip kube-proxy` (or one
+of its maps), `ip -j addr`, `ipset save`, `ipvsadm -S -n`, `conntrack -L -o extended`,
+/proc/net/xt_recent/<list> and /proc/timer_list. Results are cached per source under one
+key per dump; refresh() forgets them (for the second read of `--rate`).
 
-RecordedSource holds the same dumps as text, so unit tests (and offline analysis of dumps
-collected from a node) run the very code a live `kproxy list` runs.
+RecordedSource holds the same dumps as text under the same keys, so unit tests, offline
+analysis of dumps collected from a node and `kproxy snapshot` documents
+(ops.snapshot.recorded_source) run the very code a live `kproxy list` runs.
 """
 
 from __future__ import annotations
@@ -75,12 +77,38 @@ class KernelSource:
         """Full `iptables-<flavour>-save -c` (None: the tool is missing or failed)."""
         return self._cached(f"iptables-{flavour}", [f"iptables-{flavour}-save", "-c"])
 
+    def iptables_nat(self, flavour: str) -> str | None:
+        """A save holding at least the nat table: `-t nat` alone for nft (a fraction of a
+        10,000-service save), the full save for legacy (whose `-t` would create the table)."""
+        if flavour == "legacy" or f"iptables-{flavour}" in self._cache:
+            return self.iptables_save(flavour)
+        return self._cached(f"iptables-{flavour}-nat", [f"iptables-{flavour}-save", "-t", "nat"])
+
     def nft_table(self) -> str | None:
         """`nft -j list table ip kube-proxy` (None: no such table, or no nft)."""
         return self._cached("nftables", ["nft", "-j", "list", "table", *NFT_TABLE])
 
+    def nft_map(self, name: str) -> str | None:
+        """A document holding one map (or set) of table ip kube-proxy: `nft -j list map`
+        (the whole table's document is ~100 MB at 10,000 services), or the table when read."""
+        if "nftables" in self._cache:
+            return self.nft_table()
+        return self._cached(f"nft-map:{name}", ["nft", "-j", "list", "map", *NFT_TABLE, name])
+
     def ip_addr(self) -> str | None:
         return self._cached("ip-addr", ["ip", "-j", "addr", "show"])
+
+    def device_addr(self, device: str) -> str | None:
+        """`ip -j addr show dev DEVICE` (None: no such device)."""
+        return self._cached(device, ["ip", "-j", "addr", "show", "dev", device])
+
+    def ipset_save(self) -> str | None:
+        return self._cached("ipset", ["ipset", "save"])
+
+    def ipvsadm_save(self) -> str | None:
+        """`ipvsadm -S -n`: the virtual servers as text (a live ipvs read goes over netlink
+        for its counters, ops.inspect.ipvs.read_ipvs; recorded sources have this)."""
+        return self._cached("ipvs", ["ipvsadm", "-S", "-n"])
 
     def conntrack_entries(self) -> list[ConntrackEntry] | None:
         if "conntrack" not in self._cache:
@@ -119,7 +147,9 @@ class KernelSource:
 
 
 class RecordedSource(KernelSource):
-    """Dumps given as text (recorded from a node, or built by a test)."""
+    """Dumps given as text (recorded from a node, or built by a test), under the keys a
+    live source caches them by ("iptables-nft", "nftables", "ipset", "ipvs", "kube-ipvs0",
+    …). Nothing is ever run: a dump not given is unreadable (None)."""
 
     def __init__(
         self,
@@ -131,15 +161,17 @@ class RecordedSource(KernelSource):
         conntrack: str | None = None,
         recent: Mapping[str, str] | None = None,
         timer_list: str | None = None,
+        dumps: Mapping[str, str | None] | None = None,
     ) -> None:
         super().__init__(None)
-        self._iptables = dict(iptables or {})
-        self._nft = nft
-        self._ip_addr = ip_addr
+        given: dict[str, str | None] = {f"iptables-{f}": t for f, t in (iptables or {}).items()}
+        given.update(nftables=nft, **{"ip-addr": ip_addr, "timer_list": timer_list})
+        self._given = {k: v for k, v in given.items() if v is not None}
+        # Read key by key, when a reader asks (a snapshot's sections, say).
+        self._dumps: Mapping[str, str | None] = dumps or {}
         self._local = list(local_addresses) if local_addresses is not None else None
         self._conntrack = conntrack
         self._recent = dict(recent) if recent is not None else None
-        self._timer_list = timer_list
 
     def __repr__(self) -> str:
         return "RecordedSource()"
@@ -151,14 +183,16 @@ class RecordedSource(KernelSource):
     def command(self, what: str) -> str:
         return f"a recorded {super().command(what)}"
 
-    def iptables_save(self, flavour: str) -> str | None:
-        return self._iptables.get(flavour)
+    def _cached(self, key: str, argv: list[str]) -> str | None:
+        if key in self._given:
+            return self._given[key]
+        return self._dumps.get(key)
 
-    def nft_table(self) -> str | None:
-        return self._nft
+    def iptables_nat(self, flavour: str) -> str | None:
+        return self.iptables_save(flavour)
 
-    def ip_addr(self) -> str | None:
-        return self._ip_addr
+    def nft_map(self, name: str) -> str | None:
+        return self.nft_table()
 
     def local_addresses(self) -> list[str] | None:
         if self._local is not None:
@@ -172,9 +206,6 @@ class RecordedSource(KernelSource):
         if self._recent is None:
             return None
         return self._recent.get(name, "")
-
-    def timer_list(self) -> str | None:
-        return self._timer_list
 
 
 # --- pure parsers ----------------------------------------------------------------------------

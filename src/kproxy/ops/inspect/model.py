@@ -24,6 +24,20 @@ NODE_PORT = "NodePort"
 KIND_ORDER = {CLUSTER_IP: 0, EXTERNAL_IP: 1, EXTERNAL: 1, LOAD_BALANCER: 2, NODE_PORT: 3}
 
 
+@dataclass(frozen=True, order=True)
+class Destination:
+    """A service destination a dataplane programs: a ClusterIP, externalIP or LoadBalancer
+    IP with its protocol and port (in ipvs mode any virtual server: IPVS does not say
+    which are NodePorts)."""
+
+    ip: str
+    proto: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.proto} {self.ip}:{self.port}"
+
+
 @dataclass
 class RealServer:
     """One endpoint a virtual server DNATs to (ipvsadm's "-> RemoteAddress:Port" line)."""

@@ -13,9 +13,12 @@ The layout has no counters; rules that carry a `counter` statement are read if p
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kproxy.dataplane.nftables.names import service_port_of
 from kproxy.ops.inspect.kernel import KernelSource
 from kproxy.ops.inspect.model import (
     ANY_ADDRESS,
@@ -23,6 +26,7 @@ from kproxy.ops.inspect.model import (
     EXTERNAL,
     LOAD_BALANCER,
     NODE_PORT,
+    Destination,
     Packet,
     RealServer,
     VirtualServer,
@@ -39,7 +43,6 @@ NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
 FIREWALL_IPS = "firewall-ips"
 SERVICES_CHAIN = "services"
 REJECT_CHAIN = "reject-chain"
-SERVICE_PREFIXES = ("service-", "local-", "external-", "firewall-", "endpoint-")
 VERDICTS = ("accept", "drop", "continue", "return", "jump", "goto", "queue", "reject")
 
 
@@ -140,16 +143,7 @@ def parse_table(text: str, *, family: str = "ip", name: str = TABLE) -> NftTable
             if table is not None:
                 table.chains[chain.name] = chain
         elif "set" in item or "map" in item:
-            kind = "set" if "set" in item else "map"
-            timeout = body.get("timeout")
-            nset = NftSet(
-                body["name"],
-                kind,
-                body.get("type"),
-                timeout if isinstance(timeout, int) else None,
-                tuple(body.get("flags", ()) if isinstance(body.get("flags"), list) else ()),
-                [_element(e, kind) for e in body.get("elem", [])],
-            )
+            nset = _nft_set(body, "set" if "set" in item else "map")
             if table is not None:
                 table.sets[nset.name] = nset
         elif "rule" in item:
@@ -168,6 +162,43 @@ def parse_table(text: str, *, family: str = "ip", name: str = TABLE) -> NftTable
             )
         )
     return table
+
+
+def _nft_set(body: dict[str, Any], kind: str) -> NftSet:
+    timeout = body.get("timeout")
+    return NftSet(
+        body["name"],
+        kind,
+        body.get("type"),
+        timeout if isinstance(timeout, int) else None,
+        tuple(body.get("flags", ()) if isinstance(body.get("flags"), list) else ()),
+        [_element(e, kind) for e in body.get("elem", [])],
+    )
+
+
+_MAP_OR_SET = re.compile(r'\{\s*"(map|set)"\s*:\s*')
+
+
+def parse_set(text: str, name: str, *, family: str = "ip", table: str = TABLE) -> NftSet | None:
+    """One set or map of the table from a `nft -j list map|table|ruleset` document (None:
+    absent). Only that object is decoded: a table's document is ~100 MB at 10,000 services."""
+    if f'"{name}"' not in text:
+        return None
+    decoder = json.JSONDecoder()
+    for m in _MAP_OR_SET.finditer(text):
+        try:
+            body, _ = decoder.raw_decode(text, m.end())
+        except ValueError:
+            break  # not the document it seems: decode it whole
+        if (
+            isinstance(body, dict)
+            and body.get("name") == name
+            and body.get("table") == table
+            and body.get("family") == family
+        ):
+            return _nft_set(body, m.group(1))
+    whole = parse_table(text, family=family, name=table)
+    return whole.sets.get(name) if whole is not None else None
 
 
 def _element(raw: Any, kind: str) -> Element:
@@ -287,23 +318,6 @@ def stmt_text(s: Any) -> str:
 # --- names -------------------------------------------------------------------------------------
 
 
-def service_of_chain(chain: str) -> str:
-    """'service-SUSTUHLJ-default/web/tcp/http' -> 'default/web:http' ("" if not a service chain)."""
-    for prefix in SERVICE_PREFIXES:
-        if chain.startswith(prefix):
-            rest = chain[len(prefix) :]
-            break
-    else:
-        return ""
-    _, _, name = rest.partition("-")
-    name = name.split("__", 1)[0]
-    parts = name.split("/")
-    if len(parts) != 4:
-        return name
-    ns, svc, _proto, port = parts
-    return f"{ns}/{svc}:{port}" if port else f"{ns}/{svc}"
-
-
 def verdict_of(value: Any) -> tuple[str, str | None]:
     """{"goto": {"target": "x"}} -> ("goto", "x"); {"drop": null} -> ("drop", None)."""
     if isinstance(value, dict) and len(value) == 1:
@@ -328,6 +342,28 @@ def _match_set(rule: NftRule) -> str | None:
         if isinstance(m, dict) and isinstance(m.get("right"), str) and m["right"].startswith("@"):
             return m["right"][1:]
     return None
+
+
+def service_ip_entries(service_ips: NftSet) -> Iterator[tuple[Destination, str]]:
+    """(destination, chain) of each @service-ips element: ClusterIPs (to service-/local-
+    chains), external and LoadBalancer IPs (to external- chains)."""
+    for el in service_ips.elements:
+        if len(el.key) != 3:
+            continue
+        _, chain = verdict_of(el.value)
+        if chain is None:
+            continue
+        ip, proto, port = (str(p) for p in el.key)
+        yield Destination(ip, proto, int(port)), chain
+
+
+def destinations(source: KernelSource) -> dict[Destination, str]:
+    """The service destinations of @service-ips -> their service port (from the chain)."""
+    text = source.nft_map(SERVICE_IPS)
+    service_ips = parse_set(text, SERVICE_IPS) if text is not None else None
+    if service_ips is None:
+        return {}
+    return {dest: service_port_of(chain) for dest, chain in service_ip_entries(service_ips)}
 
 
 class NftablesView:
@@ -383,19 +419,14 @@ class NftablesView:
         found: dict[tuple[str, str, int], VirtualServer] = {}
         firewalled = {tuple(str(p) for p in e.key): e for e in self._set(FIREWALL_IPS).elements}
         cluster_ips = {str(e.key[0]) for e in self._set(CLUSTER_IPS).elements}
-        for el in self._set(SERVICE_IPS).elements:
-            if len(el.key) != 3:
-                continue
-            ip, proto, port = (str(p) for p in el.key)
-            _, chain = verdict_of(el.value)
-            if chain is None:
-                continue
+        for dest, chain in service_ip_entries(self._set(SERVICE_IPS)):
+            ip, proto, port = dest.ip, dest.proto, str(dest.port)
             if chain.startswith(("service-", "local-")):
                 kind = CLUSTER_IP
             else:
                 kind = LOAD_BALANCER if (ip, proto, port) in firewalled else EXTERNAL
             vs = VirtualServer(
-                proto, ip, int(port), service=service_of_chain(chain), kind=kind, chain=chain
+                proto, ip, dest.port, service=service_port_of(chain), kind=kind, chain=chain
             )
             self._resolve(vs, chain, set())
             fw = firewalled.get((ip, proto, port))
@@ -415,7 +446,7 @@ class NftablesView:
                     proto,
                     addr,
                     int(port),
-                    service=service_of_chain(chain),
+                    service=service_port_of(chain),
                     kind=NODE_PORT,
                     chain=chain,
                 )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from kproxy.dataplane.nftables.names import service_port_of
 from kproxy.ops.inspect.branch import Branch as _Branch
 from kproxy.ops.inspect.model import (
     ACCEPT,
@@ -34,7 +35,6 @@ from kproxy.ops.inspect.model import (
 from kproxy.ops.inspect.nftables_reader import (
     NftTable,
     expr_text,
-    service_of_chain,
     stmt_text,
     verdict_of,
 )
@@ -138,7 +138,7 @@ class NftWalker:
             elif step is not None and step.action.startswith("@"):
                 comment = f" ({step.action})"  # the map element that said drop / reject
             elif step is not None and step.chain.startswith("firewall-"):
-                svc = service_of_chain(step.chain)
+                svc = service_port_of(step.chain)
                 comment = f" ({svc}: {pkt.src} is outside its loadBalancerSourceRanges)"
             return Outcome(
                 br.prob,
@@ -245,7 +245,7 @@ class NftWalker:
                 )
             )
             if br.service is None:
-                br.service = service_of_chain(rule.chain) or None
+                br.service = service_port_of(rule.chain) or None
 
         for pos in range(start, len(rule.expr)):
             stmt = rule.expr[pos]
@@ -281,7 +281,7 @@ class NftWalker:
                 if isinstance(found, dict) and len(found) == 1 and br.service is None:
                     target = verdict_of(found)[1]
                     if target:
-                        br.service = service_of_chain(target) or None
+                        br.service = service_port_of(target) or None
                 step("")
                 return self._verdict(found, frames, base)
             if op in ("jump", "goto", "return", "accept", "drop", "continue", "reject", "queue"):
@@ -367,7 +367,7 @@ class NftWalker:
                 )
             )
             if taken.service is None:
-                taken.service = service_of_chain(rule.chain) or None
+                taken.service = service_port_of(rule.chain) or None
             sub = [list(f) for f in frames]
             verdict = self._verdict(entry[1], sub, base)
             if verdict is not None:

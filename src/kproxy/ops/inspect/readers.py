@@ -2,8 +2,9 @@
 
 A reader turns a KernelSource into a ModeView (model.py) or None when its dataplane is
 absent. A view is *live* when it is hooked into the packet path (kube-proxy's jump rules /
-base chains are there), *present* when only its leftovers are. ipvs and userspace modes add
-a Reader with register(); nothing else changes.
+base chains are there), *present* when only its leftovers are. A reader also reads its
+dataplane's service destinations alone (destinations.py: the switch's verification, diff,
+preflight), from the same entries its view lists, and no more of the kernel than they need.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kproxy.modes import MODES
 from kproxy.ops.inspect import iptables_reader, ipvs, nftables_reader, userspace
 from kproxy.ops.inspect.kernel import KernelSource
-from kproxy.ops.inspect.model import ModeView
-
-KNOWN_MODES = ("iptables", "nftables", "ipvs", "userspace")
+from kproxy.ops.inspect.model import Destination, ModeView
 
 
 @dataclass(frozen=True)
@@ -23,15 +23,37 @@ class Reader:
     dataplane: str  # "iptables-nft"
     mode: str  # "iptables"
     load: Callable[[KernelSource], ModeView | None]
+    # the service destinations it programs -> their service port ("" when unnamed)
+    destinations: Callable[[KernelSource], dict[Destination, str]]
 
 
 READERS: list[Reader] = [
-    Reader("iptables-nft", "iptables", lambda src: iptables_reader.load("nft", src)),
-    Reader("iptables-legacy", "iptables", lambda src: iptables_reader.load("legacy", src)),
-    Reader("nftables", "nftables", nftables_reader.load),
-    Reader("userspace-nft", "userspace", lambda src: userspace.load("nft", src)),
-    Reader("userspace-legacy", "userspace", lambda src: userspace.load("legacy", src)),
-    Reader("ipvs", "ipvs", ipvs.load),
+    Reader(
+        "iptables-nft",
+        "iptables",
+        lambda src: iptables_reader.load("nft", src),
+        lambda src: iptables_reader.destinations("nft", src),
+    ),
+    Reader(
+        "iptables-legacy",
+        "iptables",
+        lambda src: iptables_reader.load("legacy", src),
+        lambda src: iptables_reader.destinations("legacy", src),
+    ),
+    Reader("nftables", "nftables", nftables_reader.load, nftables_reader.destinations),
+    Reader(
+        "userspace-nft",
+        "userspace",
+        lambda src: userspace.load("nft", src),
+        lambda src: userspace.destinations("nft", src),
+    ),
+    Reader(
+        "userspace-legacy",
+        "userspace",
+        lambda src: userspace.load("legacy", src),
+        lambda src: userspace.destinations("legacy", src),
+    ),
+    Reader("ipvs", "ipvs", ipvs.load, ipvs.destinations),
 ]
 
 
@@ -65,7 +87,7 @@ def select(source: KernelSource, mode: str | None = None) -> Selection:
     if mode is not None:
         names = {r.dataplane for r in READERS} | {r.mode for r in READERS}
         if mode not in names:
-            if mode in KNOWN_MODES:
+            if mode in MODES:
                 raise ModeSelectionError(f"{mode} mode cannot be inspected by this build yet")
             choices = ", ".join(sorted(names))
             raise ModeSelectionError(f"unknown mode {mode!r} (choose from {choices})")

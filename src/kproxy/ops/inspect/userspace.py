@@ -31,6 +31,7 @@ from kproxy.ops.inspect.iptables_rules import (
     Rule,
     Table,
     kind_of_comment,
+    parse_chains,
     parse_save,
     service_of_comment,
 )
@@ -43,6 +44,7 @@ from kproxy.ops.inspect.model import (
     LOAD_BALANCER,
     NODE_PORT,
     REJECT,
+    Destination,
     Outcome,
     Packet,
     RealServer,
@@ -326,6 +328,46 @@ def redirect_target(rule: Rule) -> tuple[str | None, int] | None:
     return None
 
 
+def portals(nat: Table) -> dict[tuple[str, str, int], _Portal]:
+    """Every destination the nat redirect rules send to a proxy port, by (proto, addr, port)."""
+    found: dict[tuple[str, str, int], _Portal] = {}
+    for chain in NAT_CHAINS:
+        for r in nat.rules(chain):
+            target = redirect_target(r)
+            if target is None or not (r.proto and r.dport):
+                continue
+            dst = r.address("-d")
+            if chain in (NODEPORT_CONTAINER, NODEPORT_HOST):
+                addrs, kind = [strip_host_prefix(dst) if dst else ANY_ADDRESS], NODE_PORT
+            elif dst:
+                addrs, kind = [strip_host_prefix(dst)], kind_of_comment(r.comment) or CLUSTER_IP
+            else:
+                continue
+            for addr in addrs:
+                key = (r.proto, addr, r.dport)
+                portal = found.get(key)
+                if portal is None:
+                    portal = found[key] = _Portal(
+                        r.proto, addr, r.dport, kind, service_of_comment(r.comment) or ""
+                    )
+                portal.rules.append((r, target[0], target[1]))
+    return found
+
+
+def destinations(flavour: str, source: KernelSource) -> dict[Destination, str]:
+    """One backend's userspace-mode service destinations (all but NodePorts) -> their
+    service port."""
+    text = source.iptables_nat(flavour)
+    if text is None:
+        return {}
+    nat = parse_chains(text, "nat", NAT_CHAINS)
+    return {
+        Destination(p.address, p.proto, p.port): p.service
+        for p in portals(nat).values()
+        if p.kind != NODE_PORT
+    }
+
+
 class UserspaceView:
     """userspace mode as one iptables backend and the running workers show it."""
 
@@ -387,37 +429,12 @@ class UserspaceView:
 
     # -- services ------------------------------------------------------------------------------
 
-    def _portals(self) -> dict[tuple[str, str, int], _Portal]:
-        nat = self._table("nat")
-        found: dict[tuple[str, str, int], _Portal] = {}
-        for chain in NAT_CHAINS:
-            for r in nat.rules(chain):
-                target = redirect_target(r)
-                if target is None or not (r.proto and r.dport):
-                    continue
-                dst = r.address("-d")
-                if chain in (NODEPORT_CONTAINER, NODEPORT_HOST):
-                    addrs, kind = [strip_host_prefix(dst) if dst else ANY_ADDRESS], NODE_PORT
-                elif dst:
-                    addrs, kind = [strip_host_prefix(dst)], kind_of_comment(r.comment) or CLUSTER_IP
-                else:
-                    continue
-                for addr in addrs:
-                    key = (r.proto, addr, r.dport)
-                    portal = found.get(key)
-                    if portal is None:
-                        portal = found[key] = _Portal(
-                            r.proto, addr, r.dport, kind, service_of_comment(r.comment) or ""
-                        )
-                    portal.rules.append((r, target[0], target[1]))
-        return found
-
     def services(self) -> list[VirtualServer]:
         state = self.state
         listeners = state.listeners() if state is not None else {}
         by_key: dict[str, int] = {}
         out: dict[tuple[str, str, int], VirtualServer] = {}
-        for key, portal in self._portals().items():
+        for key, portal in portals(self._table("nat")).items():
             vs = self._server(portal, state, listeners)
             out[key] = vs
             if vs.chain:
@@ -708,6 +725,7 @@ __all__ = [
     "UserspaceView",
     "WorkerState",
     "bound_ports",
+    "destinations",
     "find_worker_dirs",
     "load",
     "parse_proc_net",

@@ -15,17 +15,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kproxy.ops.inspect.destinations import expected_destinations
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, block, info, warn
 from kproxy.ops.preflight.kernelstate import KernelState
-from kproxy.ops.snapshot import services
+from kproxy.ops.snapshot import programmed_in
 
 KEEP_BACKUPS = 5
 PREFIX = "preflight-backup-"
 
 
 def planes_of(mode: str, flavour: str | None, found: dict[str, Any]) -> list[str]:
-    """The ops.snapshot.services() keys a mode's state shows up under."""
+    """The dataplanes (ops.inspect.readers) a mode's state shows up under."""
     if mode in ("iptables", "userspace"):
         if flavour:
             return [f"{mode}-{flavour}"]
@@ -129,7 +130,7 @@ def check_backup(ctx: Context) -> list[Finding]:
             )
         ]
     planes = planes_of(mode, flavour, found)
-    programmed = {k: v for p in planes for k, v in found.get(p, {}).items()}
+    serving = {k: v for p in planes for k, v in found.get(p, {}).items()}
     if not _kube_state(mode, snap, sections):
         return [
             block(
@@ -147,9 +148,7 @@ def check_backup(ctx: Context) -> list[Finding]:
                 facts={"mode": mode, "sections": sections},
             )
         ]
-    if not programmed:
-        from kproxy.switch import expected_destinations
-
+    if not serving:
         expected = expected_destinations(ctx.snapshot) if ctx.snapshot is not None else set()
         if expected or ctx.snapshot is None:
             make = block if expected else warn
@@ -170,11 +169,11 @@ def check_backup(ctx: Context) -> list[Finding]:
         return [
             info(
                 "backup.not-kept",
-                f"the {mode} dataplane was read ({len(programmed)} service destinations) but "
+                f"the {mode} dataplane was read ({len(serving)} service destinations) but "
                 "not written anywhere (no state dir)",
                 "keep one before switching",
                 ["kproxy snapshot -o /root/before-switch.json"],
-                facts={"destinations": len(programmed)},
+                facts={"destinations": len(serving)},
             )
         ]
     try:
@@ -190,7 +189,7 @@ def check_backup(ctx: Context) -> list[Finding]:
                 [f"kproxy snapshot -o /root/{mode}-backup.json"],
             )
         ]
-    again = services(back)
+    again = programmed_in(back)
     if {p: again.get(p) for p in planes} != {p: found.get(p) for p in planes}:
         return [
             block(
@@ -205,11 +204,11 @@ def check_backup(ctx: Context) -> list[Finding]:
     return [
         info(
             "backup.ok",
-            f"backup of the {mode} dataplane ({', '.join(planes)}: {len(programmed)} service "
+            f"backup of the {mode} dataplane ({', '.join(planes)}: {len(serving)} service "
             f"destinations) written to {path} and verified",
             "restore it by hand if everything else fails",
             restore_commands(mode, sections, str(path)),
-            facts={"path": str(path), "destinations": len(programmed), "bytes": len(text)},
+            facts={"path": str(path), "destinations": len(serving), "bytes": len(text)},
         )
     ]
 

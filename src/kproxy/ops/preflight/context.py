@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kproxy.config import ConfigError, ProxyConfig, load_config
 from kproxy.model.objects import Snapshot
@@ -28,6 +28,9 @@ from kproxy.model.parse import (
 )
 from kproxy.ops.preflight.access import NodeAccess
 from kproxy.ops.preflight.findings import Finding
+
+if TYPE_CHECKING:
+    from kproxy.ops.inspect.destinations import Programmed
 
 log = logging.getLogger("kproxy.preflight")
 
@@ -177,11 +180,12 @@ class Context:
         return KernelState(self.access)
 
     @cached_property
-    def programmed(self) -> dict[str, dict[Any, str]]:
-        """ops.snapshot.services() of the kernel state: per dataplane, what it programs."""
-        from kproxy.ops.snapshot import services
+    def programmed(self) -> Programmed:
+        """Per dataplane, the service destinations the kernel state programs (read by the
+        inspect readers, ops.inspect.destinations)."""
+        from kproxy.ops.snapshot import programmed_in
 
-        return services(self.kernel_snapshot)  # type: ignore[arg-type]
+        return programmed_in(self.kernel_snapshot)
 
     @cached_property
     def addresses(self) -> list[tuple[str, str, str]]:

@@ -1,10 +1,10 @@
 """The dataplane serving now agrees with the objects, and no other mode's state is around.
 
-Presence is read with ops.snapshot.services() from the kernel snapshot the backup took (no
-second read), against switch.expected_destinations() of the objects: the very comparison
-the switch's verify step makes for the new mode, made here for the old one. Leftovers
-are what leftovers.clean_leftovers(dry_run=True) would list: the same function, over the
-reads preflight already made (leftovers_by_mode()).
+Presence is read by the inspect readers from the kernel snapshot the backup took (no
+second read), against expected_destinations() of the objects: the very comparison the
+switch's verify step makes for the new mode (ops.inspect.destinations), made here for the
+old one. Leftovers are what leftovers.clean_leftovers(dry_run=True) would list: the same
+function, over the reads preflight already made (leftovers_by_mode()).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from kproxy.dataplane.base import OwnedObject
 from kproxy.dataplane.kernel_dump import KernelDump
 from kproxy.dataplane.nftables.backend import TableRef
 from kproxy.host.commands import Runner
+from kproxy.ops.inspect.destinations import expected_destinations
+from kproxy.ops.inspect.model import Destination
 from kproxy.ops.preflight.backup import planes_of
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, info, warn
-from kproxy.ops.snapshot import ServiceKey
 
 if TYPE_CHECKING:
     from kproxy.dataplane.iptables.backend import IptablesBackend
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 MAX_SHOWN = 10
 
 
-def _shown(keys: list[ServiceKey], names: dict[ServiceKey, str]) -> str:
+def _shown(keys: list[Destination], names: dict[Destination, str]) -> str:
     parts = [f"{k} ({names.get(k) or 'unnamed'})" for k in keys[:MAX_SHOWN]]
     more = f", and {len(keys) - MAX_SHOWN} more" if len(keys) > MAX_SHOWN else ""
     return ", ".join(parts) + more
@@ -39,16 +40,14 @@ def check_consistency(ctx: Context) -> list[Finding]:
     mode, snap = ctx.current_mode, ctx.snapshot
     if mode is None or snap is None:
         return []
-    from kproxy.switch import expected_destinations
-
     found = ctx.programmed
     planes = planes_of(mode, ctx.current_flavour, found)
-    programmed: dict[ServiceKey, str] = {}
+    programmed: dict[Destination, str] = {}
     for p in planes:
         programmed.update(found.get(p, {}))
     expected = expected_destinations(snap)
     names = {
-        ServiceKey(ip, sp.protocol.lower, sp.port): str(sp.name)
+        Destination(ip, sp.protocol.lower, sp.port): str(sp.name)
         for sp in snap.services.values()
         for ip in (sp.cluster_ip, *sp.external_ips, *sp.load_balancer_ips)
     }
