@@ -49,6 +49,12 @@ class VerifyReport:
     healthz: bool
     summary: str
 
+    def short(self) -> str:
+        """For the status table: "ok, p99 0.042 s, 0 failures"."""
+        p99 = "n/a" if self.sync_p99 is None else f"{self.sync_p99:.3f} s"
+        head = "ok" if self.ok else self.summary.split(":", 1)[0]
+        return f"{head}, p99 {p99}, {self.failures:.0f} failures"
+
     @classmethod
     def parse(cls, text: str | None) -> VerifyReport | None:
         data = _json(text)
@@ -283,8 +289,10 @@ class _Reconciler:
             self.follow_switch(n, report)
         elif n.state == st.ROLLING_BACK_NODE:
             self.follow_rollback(n, report)
-        if report.verify is not None and n.state in (st.SWITCHED, st.DONE):
-            n.verify = report.verify.summary
+        verify = report.verify
+        switched_at = st.parse_stamp(n.since) or 0.0
+        if verify is not None and n.state == st.SWITCHED and verify.at >= switched_at:
+            n.verify = verify.short()
 
     def follow_preflight(self, n: st.NodeProgress, report: NodeReport) -> None:
         answer = report.preflight
@@ -697,13 +705,14 @@ class _Reconciler:
             s.phase = st.FAILED
             s.message = f"{len(failed)} node(s) did not move: {', '.join(failed)}"
         else:
-            s.phase, s.message = (
-                st.SUCCEEDED,
-                (
-                    "every node serves its previous mode again"
-                    if self.spec.undo_of
-                    else f"every node serves {self.spec.target_mode}"
-                ),
+            s.phase = st.SUCCEEDED
+            where = "its previous mode again" if self.spec.undo_of else self.spec.target_mode
+            skipped = [n.name for n in s.nodes if n.state == st.SKIPPED]
+            moved = sum(1 for n in s.nodes if n.state == st.DONE)
+            s.message = (
+                f"every node serves {where}"
+                if not skipped
+                else f"{moved} node(s) serve {where}; skipped: {', '.join(skipped)}"
             )
         s.stage = min(s.stage, len(self.spec.stages))
         for n in s.nodes:
