@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from kproxy.cluster.annotations import CURRENT_MODE, MODE_ANNOTATION, OBSERVED, SWITCH_STATE
+from kproxy.lab.cluster import CONFIG
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
@@ -38,17 +39,6 @@ pytestmark = pytest.mark.kernel
 
 PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
 LIVE = 5.0  # seconds for an API change to reach the dataplane (watch + min sync period)
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: {node}
-clusterCIDR: 10.244.0.0/16
-clientConnection: {{kubeconfig: {kubeconfig}}}
-iptables: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-nftables: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-conntrack: {{maxPerCore: 0}}
-"""
 
 
 class Rest:

@@ -6,6 +6,7 @@ source reads the declared mode once before the dataplane is built (sources/clust
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 PREFIX = "proxy.kproxy.io/"
@@ -44,3 +45,15 @@ def declared_mode(node: dict[str, Any] | None) -> str | None:
     if MODE_ANNOTATION not in ann:
         return None
     return ann[MODE_ANNOTATION].strip().lower()
+
+
+def json_annotation(text: str | None) -> dict[str, Any] | None:
+    """An annotation holding a JSON object (a preflight request or answer, a verify
+    reading); None when absent or not an object."""
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -14,6 +14,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kproxy.cluster.annotations import json_annotation
+
 if TYPE_CHECKING:
     from kproxy.ops.verify import Collector, Sample
 
@@ -38,13 +40,8 @@ class RolloutNode(Protocol):
 
 def parse_request(text: str | None) -> tuple[str, str] | None:
     """(id, mode) of a preflight request annotation; None when absent or malformed."""
-    if not text:
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not data.get("id") or not data.get("mode"):
+    data = json_annotation(text)
+    if data is None or not data.get("id") or not data.get("mode"):
         return None
     return str(data["id"]), str(data["mode"])
 

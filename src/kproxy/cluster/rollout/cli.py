@@ -151,13 +151,36 @@ def spec_from_options(
     return spec, None
 
 
-def _parsed(spec: dict[str, Any]) -> Any:
+def spec_or_exit(
+    *options: Any, extra: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], str | None, Any]:
+    """spec_from_options' raw spec (plus `extra` fields), its manifest name and the parsed
+    spec; a mistake ends the command with exit code 2, naming the field."""
     from kproxy.cluster.rollout.spec import RolloutSpecError, parse_spec
 
     try:
-        return parse_spec(spec)
-    except RolloutSpecError as err:
-        raise RolloutUsageError(str(err)) from None
+        raw, name = spec_from_options(*options)
+        raw.update(extra or {})
+        return raw, name, parse_spec(raw)
+    except (RolloutUsageError, RolloutSpecError) as err:
+        raise _fail(str(err), EXIT_USAGE) from None
+
+
+async def create_rollout(
+    conn: Any, name: str, raw: dict[str, Any], fingerprint: str
+) -> dict[str, Any]:
+    """POST the ProxyRollout, remembering the plan it was created from."""
+    from kproxy.cluster.rollout.controller import ROLLOUTS
+    from kproxy.cluster.rollout.spec import API_VERSION
+    from kproxy.sources.kubeclient import json_request
+
+    body = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": name, "annotations": {PLAN_ANNOTATION: fingerprint}},
+        "spec": raw,
+    }
+    return await json_request(conn, "POST", ROLLOUTS, body=body)
 
 
 async def _nodes(conn: Any) -> list[dict[str, Any]]:
@@ -249,11 +272,7 @@ def plan_command(
     from kproxy.cluster.rollout.plan import make_plan
     from kproxy.cluster.rollout.view import plan_text
 
-    try:
-        raw, _ = spec_from_options(to, selector, stages, max_parallel, soak, filename)
-        spec = _parsed(raw)
-    except RolloutUsageError as err:
-        raise _fail(str(err), EXIT_USAGE) from None
+    _, _, spec = spec_or_exit(to, selector, stages, max_parallel, soak, filename)
 
     async def work(conn: Any) -> Any:
         nodes = await _nodes(conn)
@@ -289,29 +308,16 @@ def start_command(
     """Create the ProxyRollout. With --plan, refuses when the plan changed since it was
     shown (nodes, their modes, zones or readiness, or the spec); always refuses a plan
     with blockers."""
-    from kproxy.cluster.rollout.controller import ROLLOUTS
     from kproxy.cluster.rollout.plan import make_plan
-    from kproxy.cluster.rollout.spec import API_VERSION
-    from kproxy.sources.kubeclient import json_request
 
-    try:
-        raw, manifest_name = spec_from_options(to, selector, stages, max_parallel, soak, filename)
-        spec = _parsed(raw)
-    except RolloutUsageError as err:
-        raise _fail(str(err), EXIT_USAGE) from None
+    raw, manifest_name, spec = spec_or_exit(to, selector, stages, max_parallel, soak, filename)
     chosen = name or manifest_name or f"to-{spec.target_mode}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     async def work(conn: Any) -> tuple[Any, dict[str, Any] | None]:
         plan = make_plan(spec, await _nodes(conn))
         if plan.blockers or (plan_id and plan_id != plan.fingerprint):
             return plan, None
-        body = {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "metadata": {"name": chosen, "annotations": {PLAN_ANNOTATION: plan.fingerprint}},
-            "spec": raw,
-        }
-        return plan, await json_request(conn, "POST", ROLLOUTS, body=body)
+        return plan, await create_rollout(conn, chosen, raw, plan.fingerprint)
 
     plan, created = _api(kubeconfig, master, work)
     if plan.blockers:
@@ -484,17 +490,12 @@ def undo_command(
     rollout of its own (with its own stages, soak and breakers). NAME must have finished:
     abort it first (`--rollback none` leaves the rest to the undo)."""
     from kproxy.cluster.rollout import status as st
-    from kproxy.cluster.rollout.controller import ROLLOUTS
     from kproxy.cluster.rollout.plan import make_undo_plan
-    from kproxy.cluster.rollout.spec import API_VERSION, PREVIOUS
-    from kproxy.sources.kubeclient import json_request
+    from kproxy.cluster.rollout.spec import PREVIOUS
 
-    try:
-        raw, _ = spec_from_options(PREVIOUS, None, stages, max_parallel, soak, None)
-        raw["undoOf"] = name
-        spec = _parsed(raw)
-    except RolloutUsageError as err:
-        raise _fail(str(err), EXIT_USAGE) from None
+    raw, _, spec = spec_or_exit(
+        PREVIOUS, None, stages, max_parallel, soak, None, extra={"undoOf": name}
+    )
     chosen = new_name or f"{name}-undo"
 
     async def work(conn: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -509,13 +510,7 @@ def undo_command(
         plan = make_undo_plan(spec, status, await _nodes(conn))
         if plan.blockers:
             return plan, None
-        body = {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "metadata": {"name": chosen, "annotations": {PLAN_ANNOTATION: plan.fingerprint}},
-            "spec": raw,
-        }
-        return plan, await json_request(conn, "POST", ROLLOUTS, body=body)
+        return plan, await create_rollout(conn, chosen, raw, plan.fingerprint)
 
     try:
         plan, created = _api(kubeconfig, master, work)

@@ -32,6 +32,7 @@ from kproxy.cluster.annotations import (
     SWITCH_STATE,
     SWITCH_TARGET,
     VERIFY,
+    json_annotation,
 )
 from kproxy.cluster.rollout import status as st
 from kproxy.cluster.rollout.plan import NodeInfo, Plan
@@ -57,7 +58,7 @@ class VerifyReport:
 
     @classmethod
     def parse(cls, text: str | None) -> VerifyReport | None:
-        data = _json(text)
+        data = json_annotation(text)
         if data is None:
             return None
         p99 = data.get("syncP99")
@@ -95,19 +96,9 @@ class NodeReport:
             switch_state=ann.get(SWITCH_STATE, ""),
             switch_target=ann.get(SWITCH_TARGET, ""),
             last_error=ann.get(LAST_ERROR, ""),
-            preflight=_json(ann.get(PREFLIGHT_RESULT)),
+            preflight=json_annotation(ann.get(PREFLIGHT_RESULT)),
             verify=VerifyReport.parse(ann.get(VERIFY)),
         )
-
-
-def _json(text: str | None) -> dict[str, Any] | None:
-    if not text:
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 @dataclass(frozen=True)
