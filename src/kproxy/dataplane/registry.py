@@ -64,6 +64,11 @@ class ModeSpec:
     owned: Leftovers
     # ... and the same removed, in an order that works; returns what went.
     remove: Leftovers
+    # Its reader of what the kernel programs (list, trace, the switch's verification): a
+    # module of kproxy.ops.inspect with load() and destinations(), each taking the iptables
+    # flavour first where the mode lives in an iptables backend (one reader per flavour).
+    reader: str = ""
+    per_iptables_flavour: bool = False
     # Raw-table rules this mode adds only during a switch (in any mode a leftover of a crash):
     # (where, rules) -> the ones that are this mode's.
     switch_rules: Callable[[str, list[str]], list[OwnedObject]] | None = None
@@ -187,6 +192,8 @@ _SPECS = (
         keeps_chain=_lazy("kproxy.dataplane.iptables.cleanup:keeps_chain"),
         owned=_none,  # nothing but chains
         remove=_none,
+        reader="kproxy.ops.inspect.iptables_reader",
+        per_iptables_flavour=True,
     ),
     ModeSpec(
         "nftables",
@@ -195,6 +202,7 @@ _SPECS = (
         keeps_chain=None,
         owned=_NFT_OWNED,
         remove=_NFT_REMOVE,
+        reader="kproxy.ops.inspect.nftables_reader",
     ),
     ModeSpec(
         "ipvs",
@@ -203,6 +211,7 @@ _SPECS = (
         keeps_chain=_lazy("kproxy.dataplane.ipvs.cleanup:is_ipvs_chain"),
         owned=_IPVS_OWNED,
         remove=_IPVS_REMOVE,
+        reader="kproxy.ops.inspect.ipvs",
         switch_rules=_lazy("kproxy.dataplane.ipvs.hold:hold_objects"),
     ),
     ModeSpec(
@@ -212,6 +221,8 @@ _SPECS = (
         keeps_chain=_lazy("kproxy.dataplane.userspace.cleanup:keeps_chain"),
         owned=_USERSPACE_OWNED,
         remove=_USERSPACE_REMOVE,
+        reader="kproxy.ops.inspect.userspace",
+        per_iptables_flavour=True,
         switch_rules=_lazy("kproxy.dataplane.userspace.render:handoff_objects"),
     ),
 )

@@ -9,11 +9,14 @@ preflight), from the same entries its view lists, and no more of the kernel than
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
+from kproxy.dataplane.iptables.backend import FLAVOURS
+from kproxy.dataplane.registry import SPECS
 from kproxy.modes import MODES
-from kproxy.ops.inspect import iptables_reader, ipvs, nftables_reader, userspace
 from kproxy.ops.inspect.kernel import KernelSource
 from kproxy.ops.inspect.model import Destination, ModeView
 
@@ -27,34 +30,28 @@ class Reader:
     destinations: Callable[[KernelSource], dict[Destination, str]]
 
 
-READERS: list[Reader] = [
-    Reader(
-        "iptables-nft",
-        "iptables",
-        lambda src: iptables_reader.load("nft", src),
-        lambda src: iptables_reader.destinations("nft", src),
-    ),
-    Reader(
-        "iptables-legacy",
-        "iptables",
-        lambda src: iptables_reader.load("legacy", src),
-        lambda src: iptables_reader.destinations("legacy", src),
-    ),
-    Reader("nftables", "nftables", nftables_reader.load, nftables_reader.destinations),
-    Reader(
-        "userspace-nft",
-        "userspace",
-        lambda src: userspace.load("nft", src),
-        lambda src: userspace.destinations("nft", src),
-    ),
-    Reader(
-        "userspace-legacy",
-        "userspace",
-        lambda src: userspace.load("legacy", src),
-        lambda src: userspace.destinations("legacy", src),
-    ),
-    Reader("ipvs", "ipvs", ipvs.load, ipvs.destinations),
-]
+def _from_registry() -> list[Reader]:
+    """One reader per dataplane, from each mode's spec (dataplane/registry.py); a mode in an
+    iptables backend has one per flavour."""
+    out: list[Reader] = []
+    for spec in SPECS.values():
+        module = importlib.import_module(spec.reader)
+        if not spec.per_iptables_flavour:
+            out.append(Reader(spec.name, spec.name, module.load, module.destinations))
+            continue
+        for flavour in FLAVOURS:
+            out.append(
+                Reader(
+                    f"{spec.name}-{flavour}",
+                    spec.name,
+                    partial(module.load, flavour),
+                    partial(module.destinations, flavour),
+                )
+            )
+    return out
+
+
+READERS: list[Reader] = _from_registry()
 
 
 def register(reader: Reader) -> None:
