@@ -375,3 +375,28 @@ def test_the_controllers_metrics_follow_the_status() -> None:
         'kproxy_rollout_breaker_tripped{breaker="switchFailed",rollout="r1",scope="Node"} 1.0'
         in text
     )
+
+
+def test_the_canary_is_held_against_the_nodes_not_switched_yet() -> None:
+    """relativeToPeers: the canary trips above 3x the median p99 of the nodes waiting their
+    turn (which publish readings from the start), not above a fixed number."""
+    c = cluster(
+        count=4,
+        soak="1m",
+        stages=[{"nodes": "1"}, {"nodes": "100%"}],
+        breakers=[{"signal": "syncP99Seconds", "threshold": "0.01", "relativeToPeers": 3}],
+    )
+    for name in ("n2", "n3", "n4"):
+        c.nodes[name].p99 = 0.2  # a busy fleet: 0.2 s is normal here
+    c.run(st.SOAKING)
+    assert ROLLOUT in c.nodes["n4"].ann  # the peers publish readings
+    c.nodes["n1"].p99 = 0.5  # above the 0.01 s floor, below 3 x 0.2 s: fine
+    c.step()
+    c.step()
+    assert c.state("n1") == st.SWITCHED
+    c.nodes["n1"].p99 = 0.7
+    c.step()
+    c.step()
+    assert c.state("n1") in (st.ROLLING_BACK_NODE, st.ROLLED_BACK)
+    reading = next(b for b in c.status.breakers if b.node == "n1")  # type: ignore[union-attr]
+    assert reading.tripped and "0.7 > 0.6" in reading.message

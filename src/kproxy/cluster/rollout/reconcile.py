@@ -440,9 +440,8 @@ class _Reconciler:
                 self.trip_node(n, b, value, f"{b.signal} {value:g} > {limit:g}: {verify.summary}")
                 return
 
-    @staticmethod
     def node_value(
-        b: Breaker, verify: VerifyReport, n: st.NodeProgress
+        self, b: Breaker, verify: VerifyReport, n: st.NodeProgress
     ) -> tuple[float | None, float]:
         limit = float(b.threshold)
         if b.signal == "verifyFailed":
@@ -451,10 +450,26 @@ class _Reconciler:
             return (0.0 if verify.healthz else 1.0), 0.0
         if b.signal == "syncFailures":
             return verify.failures, limit
-        # syncP99Seconds: against the node's own baseline when asked, never below threshold
+        # syncP99Seconds: against the node's own baseline or its peers' when asked, never
+        # below threshold
         if b.relative_to_baseline is not None and n.baseline_p99:
             limit = max(limit, b.relative_to_baseline * n.baseline_p99)
+        peers = self.peer_p99()
+        if b.relative_to_peers is not None and peers is not None:
+            limit = max(limit, b.relative_to_peers * peers)
         return verify.sync_p99, limit
+
+    def peer_p99(self) -> float | None:
+        """The median sync p99 the nodes not switched yet report (None: no reading)."""
+        values = sorted(
+            r.verify.sync_p99
+            for n in self.status.nodes
+            if n.state == st.PENDING
+            and (r := self.reports.get(n.name)) is not None
+            and r.verify is not None
+            and r.verify.sync_p99 is not None
+        )
+        return values[len(values) // 2] if values else None
 
     def check_batch(self) -> None:
         b = self.breaker("failedNodes")
@@ -597,6 +612,11 @@ class _Reconciler:
             s.stage = 1
             s.phase = st.PROGRESSING
             self.event("Started", f"rolling out {self.spec.target_mode}: {s.nodes_total} nodes")
+            if any(b.relative_to_peers is not None for b in self.spec.breakers):
+                # the nodes waiting their turn are the peers: they publish readings too
+                for n in s.nodes:
+                    if n.state == st.PENDING:
+                        self.patch(n.name, {ROLLOUT: f"{self.name}/{n.stage}"})
         while s.stage <= len(self.spec.stages):
             members = s.stage_nodes(s.stage)
             if any(n.state not in st.SETTLED for n in members):
@@ -707,7 +727,9 @@ class _Reconciler:
             )
         s.stage = min(s.stage, len(self.spec.stages))
         for n in s.nodes:
-            if n.stage and n.state not in (st.PENDING, st.SKIPPED):
+            if n.state == st.PENDING:
+                self.patch(n.name, {ROLLOUT: None})
+            elif n.stage and n.state != st.SKIPPED:
                 self.patch(
                     n.name,
                     {

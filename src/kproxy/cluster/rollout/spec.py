@@ -178,6 +178,9 @@ class Breaker(_Part):
     # ... or, for numeric node signals, a factor over the node's own value before its switch
     # (sync times differ by mode, so "3x its baseline" travels better than seconds).
     relative_to_baseline: float | None = Field(None, alias="relativeToBaseline", gt=0)
+    # ... or a factor over the median of the nodes not switched yet (the canary against the
+    # rest of the fleet, in the same hour and under the same load).
+    relative_to_peers: float | None = Field(None, alias="relativeToPeers", gt=0)
     action: str = ""  # empty: the signal's default action
 
     @field_validator("signal")
@@ -205,8 +208,9 @@ class Breaker(_Part):
                 raise ValueError(f"threshold {self.threshold!r} is not a number") from None
             if limit < 0:
                 raise ValueError("threshold must not be negative")
-        if self.relative_to_baseline is not None and self.signal != "syncP99Seconds":
-            raise ValueError("relativeToBaseline applies to syncP99Seconds only")
+        relative = (self.relative_to_baseline, self.relative_to_peers)
+        if any(r is not None for r in relative) and self.signal != "syncP99Seconds":
+            raise ValueError("relativeToBaseline and relativeToPeers apply to syncP99Seconds only")
         return self
 
     @property
