@@ -238,8 +238,8 @@ def measure(lab: Any, *, seq: int, stream: int, seconds: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.objects import endpoint, endpoint_slice, node, port, service, write
-    from tests.test_userspace_kernel import BOOTSTRAP, UserspaceProxy
+    from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
+    from tests.support.userspace import BOOTSTRAP, UserspaceProxy
 
     from kproxy.lab.proxy import ProxyProcess
     from kproxy.lab.topology import Lab
@@ -318,7 +318,7 @@ def variants(
     lab: Any, source: Path, configs: dict[str, Path], work: Path, seconds: int
 ) -> dict[str, Any]:
     """wrk through the other worker set-ups (event loop x forwarding engine), once each."""
-    from tests.test_userspace_kernel import UserspaceProxy
+    from tests.support.userspace import UserspaceProxy
 
     try:
         import uvloop  # type: ignore[import-not-found]  # noqa: F401

@@ -8,10 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kproxy.lab.topology import Lab, lab_supported
+from kproxy.lab.topology import Lab
 from kproxy.lab.uml import in_uml
-
-LAB_SUPPORTED, LAB_SKIP_REASON = lab_supported()
+from tests.support.lab import LAB_SKIP_REASON, LAB_SUPPORTED
 
 # tests/uml needs a kernel with ip_vs: on the host it runs only through tests/test_uml.py,
 # which boots User-Mode Linux and runs it there (with KPROXY_IN_UML=1).

@@ -22,7 +22,7 @@ from kproxy.cluster.annotations import MODE_ANNOTATION
 from kproxy.config import load_config
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore, Request
 from kproxy.sources.api import ApiSource, ClientSettings
-from tests.test_api_source import FAST, FakeDaemon, Sink, node, wait_until
+from tests.support.api import FAST, FakeDaemon, Sink, node, wait_until
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 # The oldest Kubernetes kproxy supports (ValidatingAdmissionPolicy v1 is GA there) and the
@@ -210,7 +210,7 @@ def test_rbac_allows_exactly_what_kproxy_does(kproxy_requests: list[Request]) ->
 
 def test_rbac_allows_exactly_what_the_rollout_controller_does(tmp_path: Path) -> None:
     from kproxy.cluster.rollout import status as st
-    from tests.test_rollout_controller import Agents, phase, rollout, running, wait_for
+    from tests.support.rollout import Agents, phase, rollout, running, wait_for
 
     store = KubeApiStore()
     with KubeApiServer(store) as server:

@@ -1,5 +1,5 @@
 """Service destinations (ops.inspect.destinations): what the switch's check, preflight and
-`kproxy diff` read, on the recorded dumps of tests/test_inspect_dumps.py. They come from
+`kproxy diff` read, on the recorded dumps of tests/support/inspect_dumps.py. They come from
 the same entries `kproxy list` shows, so both agree by construction; these tests hold them
 to it."""
 
@@ -21,9 +21,9 @@ from kproxy.ops.inspect.ipvs import parse_ipvsadm_save
 from kproxy.ops.inspect.model import NODE_PORT, Destination
 from kproxy.ops.inspect.nftables_reader import SERVICE_IPS, parse_set, parse_table
 from kproxy.ops.snapshot import FORMAT, diff, recorded_source
-from tests import test_inspect_dumps as dumps
+from tests.support import inspect_dumps as dumps
 
-# What tests/test_inspect_scenario.py programs: ClusterIPs, an externalIP and an LB IP.
+# What tests/support/scenario.py programs: ClusterIPs, an externalIP and an LB IP.
 SCENARIO = {
     "tcp 10.96.0.10:80": "default/web:http",
     "tcp 10.96.0.11:80": "default/one:http",

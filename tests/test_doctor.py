@@ -17,8 +17,8 @@ from kproxy.model.snapshot import snapshot_from_objects
 from kproxy.ops.doctor import DoctorResult, run_doctor
 from kproxy.ops.inspect import RecordedSource
 from kproxy.ops.preflight.findings import Severity
-from tests.objects import endpoint, endpoint_slice, node, port, service
-from tests.test_preflight import FakeNode, recorded
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
+from tests.support.preflight_fakes import FakeNode, recorded
 
 NODE_IP = "10.100.0.1"
 PODS = ("10.244.0.2", "10.244.0.3")

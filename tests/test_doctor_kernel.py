@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kproxy.lab.topology import Lab
-from tests.objects import endpoint, endpoint_slice, port, service
-from tests.test_preflight_kernel import cli, nat_rules, start
+from tests.support.objects import endpoint, endpoint_slice, port, service
+from tests.support.preflight_lab import cli, nat_rules, start
 
 pytestmark = pytest.mark.kernel
 

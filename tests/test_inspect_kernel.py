@@ -1,7 +1,7 @@
 """kproxy list / trace against a real lab node: the answers are checked against where real
 packets actually went.
 
-One lab and one `kproxy run` per dataplane (the scenario of tests/test_inspect_scenario.py),
+One lab and one `kproxy run` per dataplane (the scenario of tests/support/scenario.py),
 shared by the tests of that dataplane; list_services / trace read the node namespace
 (read only) exactly as `kproxy list` / `kproxy trace` would there.
 """
@@ -19,10 +19,10 @@ from kproxy.lab.topology import Lab
 from kproxy.model.snapshot import snapshot_from_objects
 from kproxy.ops.inspect import ListingResult, TraceResult, list_services, trace
 from kproxy.ops.inspect.model import DNAT, DROP, REJECT
-from tests.conftest import LAB_SKIP_REASON, LAB_SUPPORTED
-from tests.objects import endpoint, endpoint_slice, service, write
-from tests.test_dataplane_kernel import CONFIG, pods_of
-from tests.test_inspect_scenario import HTTP, PODS, SLICE, scenario_objects
+from tests.support.dataplane_env import CONFIG, pods_of
+from tests.support.lab import LAB_SKIP_REASON, LAB_SUPPORTED
+from tests.support.objects import endpoint, endpoint_slice, service, write
+from tests.support.scenario import HTTP, PODS, SLICE, scenario_objects
 
 pytestmark = pytest.mark.kernel
 

@@ -1,7 +1,7 @@
 """kproxy list / trace on recorded kernel dumps, render output and hand-made rules (no root).
 
-The recorded dumps (tests/test_inspect_dumps.py) come from a lab node running kproxy with
-tests/test_inspect_scenario.py's objects; the expectations below are what that scenario
+The recorded dumps (tests/support/inspect_dumps.py) come from a lab node running kproxy with
+tests/support/scenario.py's objects; the expectations below are what that scenario
 programs, so a reader change that misreads the kernel's own format fails here.
 """
 
@@ -23,9 +23,9 @@ from kproxy.ops.inspect import (
 from kproxy.ops.inspect.iptables_rules import parse_rule, parse_save, service_of_comment
 from kproxy.ops.inspect.kernel import parse_ip_addr, parse_recent, parse_timer_list
 from kproxy.ops.inspect.model import ANY_ADDRESS, DNAT, DROP, REJECT
-from tests import test_inspect_dumps as dumps
-from tests.objects import endpoint, endpoint_slice, port, service
-from tests.test_inspect_scenario import HTTP, PODS, SLICE, scenario_objects
+from tests.support import inspect_dumps as dumps
+from tests.support.objects import endpoint, endpoint_slice, port, service
+from tests.support.scenario import HTTP, PODS, SLICE, scenario_objects
 
 CLIENT, DENIED, NODE_IP = "10.100.0.2", "10.100.0.3", "10.100.0.1"
 

@@ -22,7 +22,7 @@ from kproxy.ops.inspect.userspace import (
     WorkerState,
     parse_proc_net,
 )
-from tests.objects import endpoint, endpoint_slice, node, port, service
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
 NODE_IP = "10.100.0.1"
 CLIENT = "10.100.0.2"

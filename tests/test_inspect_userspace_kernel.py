@@ -3,7 +3,7 @@ against where real connections went (which pod answered, with which source addre
 against what the workers really hold open.
 
 One lab and one `kproxy run --proxy-mode userspace` per iptables backend (the scenario of
-tests/test_inspect_scenario.py), shared by the tests of that backend.
+tests/support/scenario.py), shared by the tests of that backend.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from kproxy.lab.topology import Lab
 from kproxy.model.snapshot import snapshot_from_objects
 from kproxy.ops.inspect import ListingResult, TraceResult, list_services, trace
 from kproxy.ops.inspect.model import DNAT, DROP, REJECT
-from tests.conftest import LAB_SKIP_REASON, LAB_SUPPORTED
-from tests.objects import write
-from tests.test_dataplane_kernel import CONFIG, pods_of
-from tests.test_inspect_scenario import scenario_objects
+from tests.support.dataplane_env import CONFIG, pods_of
+from tests.support.lab import LAB_SKIP_REASON, LAB_SUPPORTED
+from tests.support.objects import write
+from tests.support.scenario import scenario_objects
 
 pytestmark = pytest.mark.kernel
 

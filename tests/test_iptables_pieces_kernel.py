@@ -14,7 +14,7 @@ from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import IptablesBackend
 from kproxy.dataplane.iptables.proxier import SPLIT_THRESHOLD, IptablesDataplane
 from kproxy.model.snapshot import snapshot_from_objects
-from tests.objects import endpoint, endpoint_slice, port, service
+from tests.support.objects import endpoint, endpoint_slice, port, service
 
 pytestmark = pytest.mark.kernel
 

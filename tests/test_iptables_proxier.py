@@ -15,7 +15,7 @@ from kproxy.dataplane.iptables.proxier import IptablesDataplane
 from kproxy.model.objects import ServicePortName
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.sources.base import ObjectEvent, ObjectKey
-from tests.objects import endpoint, endpoint_slice, node, port, service
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
 
 class FakeBackend:

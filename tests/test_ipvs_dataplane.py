@@ -1,5 +1,5 @@
-"""IpvsDataplane against in-memory fakes (tests/ipvs_fakes.py decodes the real netlink
-messages): the sync order and its diffs, graceful termination, weights, ownership of stale
+"""IpvsDataplane against in-memory fakes (tests/support/ipvs_fakes.py decodes the real
+netlink messages): the sync order and its diffs, graceful termination, weights, ownership of stale
 virtual servers, excludeCIDRs, detach beside iptables mode, and error reporting."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from kproxy.dataplane.ipvs import names as n
 from kproxy.dataplane.ipvs.plan import VSKey
 from kproxy.dataplane.ipvs.proxier import IpvsDataplane
 from kproxy.model.snapshot import snapshot_from_objects
-from tests.ipvs_fakes import FakeDummy, FakeIpset, FakeIptables, FakeIpvs, decode
-from tests.objects import endpoint, endpoint_slice, node, port, service
+from tests.support.ipvs_fakes import FakeDummy, FakeIpset, FakeIptables, FakeIpvs, decode
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
 VIP = "10.96.0.10"
 KEY = VSKey("TCP", VIP, 80)

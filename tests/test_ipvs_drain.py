@@ -13,7 +13,7 @@ from kproxy.dataplane.ipvs.nlsock import Request
 from kproxy.dataplane.ipvs.plan import VSKey
 from kproxy.ops.snapshot import programmed_in
 from kproxy.switch import ModeSwitcher
-from tests.test_switch import PROGRAMMED, SNAP, Plane
+from tests.support.switch_fakes import PROGRAMMED, SNAP, Plane
 
 WEB = VSKey("TCP", "10.96.0.10", 80)
 API = VSKey("TCP", "10.96.0.20", 443)

@@ -13,7 +13,7 @@ from kproxy.dataplane.ipvs import names as n
 from kproxy.dataplane.ipvs.plan import IpvsPlan, IpvsPlanner, VSKey, node_port_ips, set_net
 from kproxy.dataplane.ipvs.render import ipset_restore, plan_ipvsadm, render_text
 from kproxy.model.snapshot import snapshot_from_objects
-from tests.objects import endpoint, endpoint_slice, node, port, service
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
 NODE_IP = "100.101.102.103"
 FACTS = NodeFacts(node_ips=(NODE_IP,), local_addresses=(NODE_IP, "127.0.0.1"), random_fully=True)

@@ -11,7 +11,7 @@ from kproxy.dataplane.ipvs.plan import VSKey
 from kproxy.dataplane.userspace.render import HANDOFF_COMMENT, HANDOFF_RULE
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
 

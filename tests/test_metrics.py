@@ -14,7 +14,7 @@ from kproxy.dataplane.base import SyncResult
 from kproxy.model.snapshot import ChangeCounts, snapshot_from_objects
 from kproxy.server.http import HealthState, health_server, metrics_server
 from kproxy.server.metrics import ProxyMetrics
-from tests.objects import endpoint, endpoint_slice, port, service
+from tests.support.objects import endpoint, endpoint_slice, port, service
 
 # Upstream kube-proxy's metric families (reference §6) that every dashboard relies on.
 UPSTREAM_FAMILIES = {

@@ -1,7 +1,7 @@
 """The ChangeTracker: incremental snapshots, rejections of bad objects, and fuzzing.
 
-Builders come from test_model.py. Bad objects must be skipped with one log line naming
-kind, namespace/name and field, be counted, and never disturb other services.
+Builders come from tests/support/model_objects.py. Bad objects must be skipped with one log
+line naming kind, namespace/name and field, be counted, and never disturb other services.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from kproxy.model.parse import (
 )
 from kproxy.model.snapshot import ChangeTracker, snapshot_from_objects
 from kproxy.sources.base import ENDPOINT_SLICE, NODE, SERVICE, ObjectEvent, ObjectKey
-from tests.test_model import (
+from tests.support.model_objects import (
     NODE as NODE_NAME,
 )
-from tests.test_model import (
+from tests.support.model_objects import (
     addrs,
     endpoint,
     eport,

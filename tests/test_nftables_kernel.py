@@ -25,9 +25,9 @@ from kproxy.dataplane.nftables.render import render_full
 from kproxy.lab.topology import Lab
 from kproxy.model.snapshot import ChangeTracker, snapshot_from_objects
 from kproxy.sources.base import ObjectEvent, ObjectKey
-from tests import test_nftables_upstream_compat as compat
-from tests.objects import endpoint, endpoint_slice, node, port, service
-from tests.test_nftables_helpers import FakeTable
+from tests.support.nft_fakes import FakeTable
+from tests.support.nft_golden import facts, fixture, flow_cases, golden_yaml, options, snapshot
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
 pytestmark = pytest.mark.kernel
 
@@ -106,12 +106,10 @@ def test_check_passes_here(netns: str) -> None:
 def test_full_sync_loads_upstreams_overall_case_and_the_kernel_agrees_with_the_model(
     netns: str,
 ) -> None:
-    case = compat._yaml("overall.yaml")
-    opts = compat.options()
-    snap = compat.snapshot(case["objects"])
-    dp = NftablesDataplane(
-        compat.facts(), opts, netns=netns, service_cidrs=compat.fixture()["service_cidrs"]
-    )
+    case = golden_yaml("overall.yaml")
+    opts = options()
+    snap = snapshot(case["objects"])
+    dp = NftablesDataplane(facts(), opts, netns=netns, service_cidrs=fixture()["service_cidrs"])
     result = dp.sync(snap, full=True)
     assert result.full and result.services == 6
     listing = NftBackend(netns=netns).list_json("table", "ip", names.TABLE)
@@ -127,9 +125,7 @@ def test_full_sync_loads_upstreams_overall_case_and_the_kernel_agrees_with_the_m
     }
     # The model (upstream's expected state, see the compat tests) equals what the kernel holds.
     model = FakeTable()
-    model.apply(
-        render_full(snap, compat.facts(), opts, service_cidrs=compat.fixture()["service_cidrs"])
-    )
+    model.apply(render_full(snap, facts(), opts, service_cidrs=fixture()["service_cidrs"]))
     for name, container in model.containers.items():
         if name.startswith("affinity-"):
             continue
@@ -145,13 +141,13 @@ def test_full_sync_loads_upstreams_overall_case_and_the_kernel_agrees_with_the_m
 
 
 def test_every_golden_case_renders_to_a_valid_nft_script(netns: str) -> None:
-    cases = [compat._yaml("overall.yaml"), *compat._flow_cases()]
+    cases = [golden_yaml("overall.yaml"), *flow_cases()]
     for case in cases:
         text = render_full(
-            compat.snapshot(case["objects"]),
-            compat.facts(),
-            compat.options(),
-            service_cidrs=compat.fixture()["service_cidrs"],
+            snapshot(case["objects"]),
+            facts(),
+            options(),
+            service_cidrs=fixture()["service_cidrs"],
         )
         nft(netns, "-f", "-", input=text)
         nft(netns, "-f", "-", input=text)  # and again over itself: a full resync

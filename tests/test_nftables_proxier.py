@@ -1,6 +1,6 @@
 """Unit tests of nftables mode's planner, transaction writer and dataplane (no kernel).
 
-The dataplane runs against tests/test_nftables_helpers.FakeBackend, an in-memory table that
+The dataplane runs against tests/support/nft_fakes.FakeBackend, an in-memory table that
 rejects what the kernel would reject, so every transaction here is also checked for
 validity (dangling jumps, element clashes, deleting referenced chains).
 """
@@ -29,8 +29,8 @@ from kproxy.dataplane.nftables.proxier import (
 from kproxy.dataplane.nftables.transaction import TableState, write_sync
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.sources.base import ObjectEvent, ObjectKey
-from tests.objects import endpoint, endpoint_slice, node, port, service
-from tests.test_nftables_helpers import FakeBackend, trace_packet
+from tests.support.nft_fakes import FakeBackend, trace_packet
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
 FACTS = NodeFacts(node_ips=("10.100.0.1",), local_addresses=("127.0.0.1", "10.100.0.1"))
 OPTIONS = RuleOptions(cluster_cidrs=("10.244.0.0/16",))

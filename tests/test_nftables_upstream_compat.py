@@ -11,7 +11,7 @@ service-/nodeport-endpoints-check):
 * flows.yaml: tests upstream asserts by tracing packets (TestClusterIPGeneral,
   TestLoadBalancer, TestNoEndpointsReject, TestExternalTrafficPolicy*, TestNodePorts ipv4).
 
-kproxy's transactions are applied to an in-memory table (tests/test_nftables_helpers.py)
+kproxy's transactions are applied to an in-memory table (tests/support/nft_fakes.py)
 that behaves like the kernel, and its state is compared with upstream's expected dump the
 way upstream compares (sortNFTablesTransaction): only the order in which services were
 written is ignored. Upstream's fixture writes the mark as 0x4000; kproxy writes Go's %#08x,
@@ -22,55 +22,34 @@ from __future__ import annotations
 
 import copy
 import re
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.facts import RuleOptions
 from kproxy.dataplane.nftables import names
 from kproxy.dataplane.nftables.proxier import NftablesDataplane
 from kproxy.dataplane.nftables.render import render_full
-from kproxy.model.objects import Snapshot
-from kproxy.model.snapshot import ChangeTracker, snapshot_from_objects
+from kproxy.model.snapshot import ChangeTracker
 from kproxy.sources.base import ObjectEvent, ObjectKey
-from tests.test_nftables_helpers import (
+from tests.support.nft_fakes import (
     FakeBackend,
     FakeTable,
     assert_dump_equal,
     load_dump,
     trace_packet,
 )
+from tests.support.nft_golden import (
+    GOLDEN,
+    facts,
+    fixture,
+    flow_cases,
+    golden_yaml,
+    options,
+    snapshot,
+)
 
-GOLDEN = Path(__file__).parent / "golden" / "nftables"
 COMMIT = "kubernetes/kubernetes@030880a5dc5449403c6d1f0aa146a7dc21d6c6dc"
-
-
-@cache
-def _yaml(name: str) -> Any:
-    return yaml.safe_load((GOLDEN / name).read_text())
-
-
-def fixture() -> dict[str, Any]:
-    return _yaml("fixture.yaml")
-
-
-def facts() -> NodeFacts:
-    f = fixture()["facts"]
-    return NodeFacts(node_ips=tuple(f["node_ips"]), local_addresses=tuple(f["local_addresses"]))
-
-
-def options(**overrides: Any) -> RuleOptions:
-    o = {**fixture()["options"], **overrides}
-    return RuleOptions(
-        masquerade_all=bool(o["masquerade_all"]),
-        masquerade_bit=int(o["masquerade_bit"]),
-        detect_local_mode=o["detect_local_mode"],
-        cluster_cidrs=tuple(o["cluster_cidrs"]),
-        node_port_addresses=tuple(o["node_port_addresses"]),
-    )
 
 
 def with_mark(text: str, opts: RuleOptions) -> str:
@@ -115,10 +94,6 @@ def dataplane(
     return dp, backend, clock
 
 
-def snapshot(objects: list[dict[str, Any]]) -> Snapshot:
-    return snapshot_from_objects(copy.deepcopy(objects), fixture()["node_name"])
-
-
 # --------------------------------------------------------------------------- chain names
 
 
@@ -146,7 +121,7 @@ def test_chain_names_match_upstream() -> None:
 @APPLY
 def test_overall_nftables_rules(fast: bool) -> None:
     """TestOverallNFTablesRules: the table after one full sync is upstream's dump."""
-    case = _yaml("overall.yaml")
+    case = golden_yaml("overall.yaml")
     opts = options()
     dp, backend, _ = dataplane(opts, fast=fast)
     result = dp.sync(snapshot(case["objects"]), full=True)
@@ -157,7 +132,7 @@ def test_overall_nftables_rules(fast: bool) -> None:
 
 def test_render_full_is_what_a_full_sync_applies() -> None:
     """`kproxy render` output is one command per line and yields upstream's state."""
-    case = _yaml("overall.yaml")
+    case = golden_yaml("overall.yaml")
     opts = options()
     text = render_full(
         snapshot(case["objects"]), facts(), opts, service_cidrs=fixture()["service_cidrs"]
@@ -177,7 +152,7 @@ def test_render_full_is_what_a_full_sync_applies() -> None:
 
 
 def test_render_is_deterministic_and_sorted() -> None:
-    case = _yaml("overall.yaml")
+    case = golden_yaml("overall.yaml")
     opts = options()
     sc = fixture()["service_cidrs"]
     first = render_full(snapshot(case["objects"]), facts(), opts, service_cidrs=sc)
@@ -192,7 +167,7 @@ def test_render_is_deterministic_and_sorted() -> None:
 def test_nodeport_addresses_default_to_primary_and_never_localhost() -> None:
     """nftables mode: nodePortAddresses unset means the node's primary IP; loopback never
     serves NodePorts; 0.0.0.0/0 (or no IPv4 CIDR) means every local address."""
-    case = _yaml("overall.yaml")
+    case = golden_yaml("overall.yaml")
     primary = render_full(snapshot(case["objects"]), facts(), options(node_port_addresses=[]))
     assert "add element ip kube-proxy nodeport-ips { 192.168.0.2 }" in primary
     lo = render_full(
@@ -219,12 +194,8 @@ def test_nodeport_addresses_default_to_primary_and_never_localhost() -> None:
 # --------------------------------------------------------------------------- packet flows
 
 
-def _flow_cases() -> list[dict[str, Any]]:
-    return _yaml("flows.yaml")["cases"]
-
-
 @APPLY
-@pytest.mark.parametrize("case", _flow_cases(), ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", flow_cases(), ids=lambda c: c["name"])
 def test_packet_flows(case: dict[str, Any], fast: bool) -> None:
     """Upstream's runPacketFlowTests on kproxy's table."""
     overrides = {}
@@ -265,7 +236,7 @@ def _event(obj: dict[str, Any], *, delete: bool = False) -> ObjectEvent:
 def test_sync_proxy_rules_repeated(fast: bool) -> None:
     """TestSyncProxyRulesRepeated: partial syncs write only what changed (upstream's
     operation counts), stale chains are flushed at once and deleted once aged."""
-    case = _yaml("sync_repeated.yaml")
+    case = golden_yaml("sync_repeated.yaml")
     objects, fragments = case["objects"], case["fragments"]
     opts = options()
     dp, backend, clock = dataplane(opts, fast=fast)
@@ -340,7 +311,7 @@ def test_sync_proxy_rules_startup(fast: bool) -> None:
     table = FakeTable()
     load_dump(table, state)
     dp, backend, _ = dataplane(opts, table, fast=fast)
-    svc = _yaml("sync_repeated.yaml")["objects"]
+    svc = golden_yaml("sync_repeated.yaml")["objects"]
     eps1 = copy.deepcopy(svc["eps1"])
     eps1["endpoints"].append({"addresses": ["10.0.1.2"]})
     dp.sync(snapshot([svc["svc1"], svc["svc2"], svc["svc3"], eps1, svc["eps2"]]), full=False)

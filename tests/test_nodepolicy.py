@@ -20,7 +20,7 @@ from kproxy.dataplane.nodepolicy import (
     localhost_node_ports_enabled,
 )
 from kproxy.model.snapshot import snapshot_from_objects
-from tests.objects import node
+from tests.support.objects import node
 
 # --- local-traffic detector --------------------------------------------------------------------
 

@@ -22,54 +22,10 @@ from kproxy.lab.topology import Lab
 from kproxy.ops.preflight import NodeAccess, run_preflight
 from kproxy.ops.preflight.findings import Severity
 from kproxy.ops.preflight.run import PreflightResult
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.objects import endpoint, endpoint_slice, port, service
+from tests.support.preflight_lab import PODS, cli, config, nat_rules, start
 
 pytestmark = pytest.mark.kernel
-
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-conntrack: {{maxPerCore: 0}}
-"""
-PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
-
-
-def objects(folder: Path, *extra: dict[str, Any]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    write(folder / "node.yaml", node())
-    write(
-        folder / "web.yaml",
-        service("web", "10.96.0.10", [port("http", 80, 8080)], selector={"app": "web"}),
-        endpoint_slice("web", [endpoint(ip) for ip in PODS], [port("http", 8080)]),
-    )
-    write(
-        folder / "api.yaml",
-        service("api", "10.96.0.20", [port("https", 443, 9090)], selector={"app": "api"}),
-        endpoint_slice("api", [endpoint(ip) for ip in PODS], [port("https", 9090)]),
-    )
-    if extra:
-        write(folder / "extra.yaml", *extra)
-    return folder
-
-
-def config(tmp_path: Path, mode: str, extra: str = "") -> Path:
-    path = tmp_path / f"config-{mode}.yaml"
-    path.write_text(CONFIG.format(mode=mode) + extra)
-    return path
-
-
-def start(lab: Lab, tmp_path: Path, *extra: dict[str, Any]) -> ProxyProcess:
-    src = objects(tmp_path / "objects", *extra)
-    return ProxyProcess(
-        lab,
-        src,
-        config=config(tmp_path, "iptables"),
-        args=["--iptables-backend", "nft"],
-        workdir=tmp_path / "kp",
-    ).start()
 
 
 def preflight(lab: Lab, to: str, tmp_path: Path, **kw: Any) -> PreflightResult:
@@ -77,13 +33,6 @@ def preflight(lab: Lab, to: str, tmp_path: Path, **kw: Any) -> PreflightResult:
     kw.setdefault("config_path", config(tmp_path, to))
     return run_preflight(
         to, access=NodeAccess(netns=lab.node_ns), node_name="node1", state_dir=tmp_path, **kw
-    )
-
-
-def cli(lab: Lab, *args: str) -> subprocess.CompletedProcess[str]:
-    """`kproxy ...` run inside the node namespace, as an operator on the node would."""
-    return lab.exec(
-        lab.node_ns, [sys.executable, "-m", "kproxy.cli", *args], check=False, timeout=120
     )
 
 
@@ -109,12 +58,6 @@ def node_sysctls(lab_module: Lab) -> Iterator[Lab]:
     yield lab_module
     for n, v in before.items():
         sysctl(lab_module, n, v)
-
-
-def nat_rules(lab: Lab) -> list[str]:
-    """The nat rules without iptables-save's timestamp comments."""
-    text = lab.exec(lab.node_ns, ["iptables-nft-save", "-t", "nat"]).stdout
-    return [line for line in text.splitlines() if not line.startswith("#")]
 
 
 def nft_tables(lab: Lab) -> str:

@@ -15,8 +15,7 @@ from kproxy.cluster.rollout import spec as rollout_spec
 from kproxy.cluster.rollout import status as st
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore
 from kproxy.sources.clientsettings import ClientSettings
-from tests.test_rollout_controller import Agents, phase, running, wait_for
-from tests.test_rollout_plan import node
+from tests.support.rollout import Agents, node, phase, running, wait_for
 
 runner = CliRunner()
 

@@ -4,56 +4,17 @@ tests run real kproxies)."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kproxy.cluster.annotations import CURRENT_MODE
 from kproxy.cluster.rollout import status as st
-from kproxy.cluster.rollout.controller import LEASE_NAME, REQUEST_ANNOTATION, running_in_thread
+from kproxy.cluster.rollout.controller import LEASE_NAME, REQUEST_ANNOTATION
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore
 from kproxy.sources.clientsettings import ClientSettings
-from tests.test_rollout_plan import node
-from tests.test_rollout_reconcile import SimNode
-
-
-class Agents:
-    """Each node's kproxy, simulated on the store: answers preflights, follows its mode."""
-
-    def __init__(self, store: KubeApiStore, names: list[str]) -> None:
-        self.store = store
-        self.sims = {n: SimNode(node(n)) for n in names}
-        for sim in self.sims.values():
-            store.apply(sim.obj)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            for name, sim in self.sims.items():
-                obj = self.store.get("Node", "", name)
-                if obj is None:
-                    continue
-                before = dict(obj["metadata"].get("annotations") or {})
-                sim.obj = obj
-                sim.act(time.time())
-                after = sim.ann
-                patch: dict[str, Any] = {k: v for k, v in after.items() if before.get(k) != v}
-                patch.update({k: None for k in before if k not in after})
-                if patch:
-                    self.store.patch("Node", "", name, {"metadata": {"annotations": patch}})
-
-    def __enter__(self) -> Agents:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
+from tests.support.rollout import Agents, phase, rollout, running, wait_for
 
 
 @pytest.fixture
@@ -61,40 +22,6 @@ def api(tmp_path: Path) -> Iterator[tuple[KubeApiStore, ClientSettings]]:
     store = KubeApiStore()
     with KubeApiServer(store) as server:
         yield store, ClientSettings(kubeconfig=str(server.kubeconfig(tmp_path / "kc")))
-
-
-def rollout(name: str = "to-nft", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "proxy.kproxy.io/v1alpha1",
-        "kind": "ProxyRollout",
-        "metadata": {"name": name},
-        "spec": {
-            "targetMode": "nftables",
-            "soak": "0s",
-            "stages": [{"nodes": "1"}, {"nodes": "50%"}, {"nodes": "100%", "maxParallel": "2"}],
-            **spec,
-        },
-    }
-
-
-def phase(store: KubeApiStore, name: str = "to-nft") -> str:
-    obj = store.get("ProxyRollout", "", name)
-    return ((obj or {}).get("status") or {}).get("phase", "")
-
-
-def running(settings: ClientSettings, **kwargs: Any) -> Any:
-    """The controller in a thread, stepping fast, its Lease in "default"."""
-    kwargs.setdefault("lease_namespace", "default")
-    kwargs.setdefault("interval", 0.05)
-    return running_in_thread(settings, **kwargs)
-
-
-def wait_for(check: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.02)
 
 
 def test_a_rollout_runs_to_the_end_through_the_api(

@@ -21,7 +21,7 @@ from kproxy.cluster.rollout import status as st
 from kproxy.cluster.rollout.controller import REQUEST_ANNOTATION
 from kproxy.lab.cluster import ClusterLab, failures
 from kproxy.lab.topology import Lab
-from tests.test_rollout_controller import running
+from tests.support.rollout import running
 
 pytestmark = pytest.mark.kernel
 

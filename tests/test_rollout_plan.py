@@ -6,21 +6,9 @@ from typing import Any
 
 import pytest
 
-from kproxy.cluster.annotations import CURRENT_MODE
 from kproxy.cluster.rollout.plan import PreflightAnswer, make_plan
 from kproxy.cluster.rollout.spec import RolloutSpecError, parse_spec, resolve
-
-
-def node(
-    name: str, mode: str | None = "iptables", *, zone: str = "", ready: bool = True, **labels: str
-) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "labels": dict(labels)}
-    if zone:
-        meta["labels"]["topology.kubernetes.io/zone"] = zone
-    if mode is not None:
-        meta["annotations"] = {CURRENT_MODE: mode}
-    status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
-    return {"apiVersion": "v1", "kind": "Node", "metadata": meta, "status": status}
+from tests.support.rollout import node
 
 
 def spec(**fields: Any) -> Any:

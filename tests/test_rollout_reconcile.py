@@ -4,7 +4,6 @@ tests prove the same flows with real kproxies and packets; these cover every bra
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,66 +11,19 @@ import pytest
 
 from kproxy.cluster.annotations import (
     CURRENT_MODE,
-    LAST_ERROR,
     LAST_ROLLOUT,
     MODE_ANNOTATION,
-    OBSERVED,
     PREFLIGHT_REQUEST,
-    PREFLIGHT_RESULT,
     PREVIOUS_MODE,
     ROLLOUT,
-    SWITCH_STATE,
-    SWITCH_TARGET,
-    VERIFY,
 )
 from kproxy.cluster.rollout import status as st
 from kproxy.cluster.rollout.plan import make_plan
 from kproxy.cluster.rollout.reconcile import Request, Step, in_window, initial_status, reconcile
 from kproxy.cluster.rollout.spec import parse_spec
-from tests.test_rollout_plan import node
+from tests.support.rollout import SimNode, node
 
 T0 = 1_800_000_000.0
-
-
-@dataclass
-class SimNode:
-    """A node's kproxy, reduced to what it says on its Node."""
-
-    obj: dict[str, Any]
-    block: str = ""  # its preflight blocks with this finding
-    fail_to: str = ""  # a switch to this mode fails
-    answers: bool = True  # answers preflight requests at all
-    verify_ok: bool = True
-    p99: float = 0.05
-    switches: list[str] = field(default_factory=list)
-
-    @property
-    def ann(self) -> dict[str, str]:
-        return self.obj["metadata"].setdefault("annotations", {})
-
-    def act(self, now: float) -> None:
-        ann = self.ann
-        request = json.loads(ann[PREFLIGHT_REQUEST]) if PREFLIGHT_REQUEST in ann else None
-        if request and self.answers:
-            answer = {"id": request["id"], "ok": not self.block, "syncP99": self.p99}
-            if self.block:
-                answer["blocks"] = [self.block]
-            ann[PREFLIGHT_RESULT] = json.dumps(answer)
-        declared = ann.get(MODE_ANNOTATION)
-        if declared is not None and declared != ann.get(OBSERVED):
-            ann[OBSERVED] = declared
-            if declared != ann[CURRENT_MODE]:
-                self.switches.append(declared)
-                ann[SWITCH_TARGET] = declared
-                if declared == self.fail_to:
-                    ann[SWITCH_STATE], ann[LAST_ERROR] = "failed", "verify: 10.96.0.1:443 missing"
-                else:
-                    ann[CURRENT_MODE], ann[SWITCH_STATE] = declared, "succeeded"
-                    ann.pop(LAST_ERROR, None)
-        if ROLLOUT in ann:
-            ann[VERIFY] = json.dumps(
-                {"at": now, "ok": self.verify_ok, "syncP99": self.p99, "summary": "verify"}
-            )
 
 
 @dataclass

@@ -19,7 +19,7 @@ from kproxy.server.service_health import (
     wanted_health_checks,
 )
 from kproxy.sources.base import ObjectEvent, ObjectKey
-from tests.objects import endpoint, endpoint_slice, port, service
+from tests.support.objects import endpoint, endpoint_slice, port, service
 
 
 def free_port() -> int:

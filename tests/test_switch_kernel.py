@@ -14,7 +14,7 @@ from kproxy.lab.load import LoadHarness
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from kproxy.server.admin import SOCKET_NAME
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
 CONFIG = """\

@@ -9,7 +9,7 @@ from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import ChangeTracker
 from kproxy.sources.base import ObjectEvent, ObjectKey
 from kproxy.sync import ProxyLoop, udp_serving_map
-from tests.objects import endpoint, endpoint_slice, port, service
+from tests.support.objects import endpoint, endpoint_slice, port, service
 
 
 class FakeDataplane(Dataplane):

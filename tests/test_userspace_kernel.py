@@ -1,15 +1,14 @@
-"""userspace mode with real packets: every core kernel test, plus what only this mode has.
+"""userspace mode with real packets: what only this mode has (the core kernel tests run it
+through test_dataplane_kernel.DATAPLANES, which lists userspace).
 
-Until the lead wires userspace into the registry and into test_dataplane_kernel.DATAPLANES,
-`kproxy run` is started through a two-line bootstrap that registers the mode exactly the way
-the registry will (create_userspace_dataplane), and the core tests are re-collected here
-with a userspace `env` fixture. Every test also checks that no worker survives it.
+`kproxy run` is started through tests/support/userspace.py's two-line bootstrap, and its
+`env` fixture is the core tests' Env in userspace mode. Every test also checks that no
+worker survives it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -17,38 +16,31 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kproxy.dataplane.userspace.control import WORKER_MODULE, proc_cmdline
 from kproxy.lab.agent import ProbeResult
-from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
-from tests import test_dataplane_kernel as core
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.dataplane_env import (
+    CONFIG,
+    POD_IPS,
+    WEB_PORTS,
+    WEB_SLICE_PORTS,
+    Env,
+    pods_of,
+    web,
+)
+from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.userspace import UserspaceProxy
 
 pytestmark = pytest.mark.kernel
 # The redirect rules go through iptables-nft (the default backend on this machine); the
 # legacy backend passes the same tests (KPROXY_TEST_IPTABLES_BACKEND=legacy).
 BACKEND = os.environ.get("KPROXY_TEST_IPTABLES_BACKEND", "nft")
-
-BOOTSTRAP = """\
-import sys
-from kproxy.cli import main
-sys.argv = ["kproxy", *sys.argv[1:]]
-main()
-"""
-
-
-class UserspaceProxy(ProxyProcess):
-    """`kproxy run --proxy-mode userspace`, started through a bootstrap (`python -c`)."""
-
-    def argv(self) -> list[str]:
-        argv = super().argv()
-        assert argv[1:3] == ["-m", "kproxy.cli"]
-        return [argv[0], "-c", BOOTSTRAP, *argv[3:]]
 
 
 def worker_pids(state_dir: Path | None = None) -> list[int]:
@@ -76,13 +68,13 @@ def wait_no_workers(state_dir: Path, timeout: float = 8.0) -> list[int]:
 
 
 @pytest.fixture
-def env(lab: Lab, tmp_path: Path) -> Iterator[core.Env]:
+def env(lab: Lab, tmp_path: Path) -> Iterator[Env]:
     """The core tests' Env, running userspace mode (iptables-nft for the redirect rules)."""
     source = tmp_path / "objects"
     source.mkdir()
     write(source / "node.yaml", node())
     config = tmp_path / "config.yaml"
-    config.write_text(core.CONFIG.format(mode="userspace"))
+    config.write_text(CONFIG.format(mode="userspace"))
     proxy = UserspaceProxy(
         lab,
         source,
@@ -90,7 +82,7 @@ def env(lab: Lab, tmp_path: Path) -> Iterator[core.Env]:
         args=["--iptables-backend", BACKEND],
         workdir=tmp_path / "kproxy",
     )
-    e = core.Env(lab, source, proxy, "userspace", BACKEND, config)
+    e = Env(lab, source, proxy, "userspace", BACKEND, config)
     try:
         yield e
     finally:
@@ -111,71 +103,10 @@ def no_worker_left_behind(request: pytest.FixtureRequest, tmp_path: Path) -> Ite
     assert not left, f"userspace workers {left} outlived the lab"
 
 
-# --- every core kernel test, in userspace mode ------------------------------------------------
-# Only until test_dataplane_kernel.DATAPLANES lists userspace itself: then they run there.
-# Every test_* of the core module is taken over as it is, except the ones that branch on
-# env.mode with "everything but iptables is nftables" (replaced below with userspace's
-# expectations, which are iptables mode's), and known gaps outside this mode's files.
-
-OVERRIDDEN = {
-    "test_node_port_from_client_and_from_node",
-    "test_rules_flushed_by_someone_else_come_back",
-}
-KNOWN_GAPS = {
-    "test_snapshot_and_diff_see_what_the_kernel_programs": (
-        "ops/snapshot.py reads service rules from KUBE-SERVICES only"
-    ),
-}
-
-
-def _known_gap(fn: Callable[..., None], reason: str) -> Callable[..., None]:
-    # A wrapper, not a mark on the core function (that would change it for every mode).
-    @functools.wraps(fn)
-    def wrapper(*args: object, **kwargs: object) -> None:
-        fn(*args, **kwargs)
-
-    return pytest.mark.xfail(reason=reason, strict=False)(wrapper)
-
-
-if not any(mode == "userspace" for mode, _backend in core.DATAPLANES):
-    for _name, _fn in list(vars(core).items()):
-        if _name.startswith("test_") and callable(_fn) and _name not in OVERRIDDEN:
-            globals()[_name] = _known_gap(_fn, KNOWN_GAPS[_name]) if _name in KNOWN_GAPS else _fn
-
-    def test_node_port_from_client_and_from_node(env: core.Env) -> None:
-        core.web(env, type="NodePort", ports=[port("http", 80, "http", nodePort=30080)])
-        env.proxy.start()
-        from_client = env.client().request_many(
-            proto="tcp", dst=env.lab.node_ip, port=30080, count=30, timeout=1.0
-        )
-        assert set(core.pods_of(from_client)) == {"pod1", "pod2", "pod3"}
-        node_agent = env.lab.agent(env.lab.node_ns)
-        for dst in (env.lab.node_ip, "127.0.0.1"):  # localhostNodePorts, as iptables mode
-            results = node_agent.request_many(
-                proto="tcp", dst=dst, port=30080, count=10, timeout=1.0
-            )
-            assert all(r.ok for r in results), (dst, core.pods_of(results))
-
-    def test_rules_flushed_by_someone_else_come_back(env: core.Env) -> None:
-        env.config.write_text(
-            core.CONFIG.format(mode=env.mode).replace("syncPeriod: 30s", "syncPeriod: 1s")
-        )
-        core.web(env)
-        env.proxy.start()
-        client = env.client()
-        # A firewall reload: the whole nat table is flushed and its chains deleted.
-        env.lab.exec(env.lab.node_ns, [f"iptables-{env.backend}", "-t", "nat", "-F"])
-        env.lab.exec(env.lab.node_ns, [f"iptables-{env.backend}", "-t", "nat", "-X"])
-        assert not client.request(proto="tcp", dst="10.96.0.10", port=80, timeout=0.3).ok
-        core.wait_until(
-            lambda: client.request(proto="tcp", dst="10.96.0.10", port=80, timeout=0.3).ok, 5.0
-        )
-
-
 # --- what only userspace mode has ---------------------------------------------------------------
 
 
-def live_workers(env: core.Env) -> dict[int, int]:
+def live_workers(env: Env) -> dict[int, int]:
     """worker index -> PID, from the workers' own status files."""
     from kproxy.dataplane.userspace.control import WorkerSet
 
@@ -183,8 +114,8 @@ def live_workers(env: core.Env) -> dict[int, int]:
     return {i: w.pid for i, w in ws.workers().items()}
 
 
-def test_controller_kill_9_under_load_loses_nothing(env: core.Env) -> None:
-    core.web(env)
+def test_controller_kill_9_under_load_loses_nothing(env: Env) -> None:
+    web(env)
     env.proxy.start()
     workers = live_workers(env)
     assert len(workers) == os.cpu_count()
@@ -229,24 +160,24 @@ def test_controller_kill_9_under_load_loses_nothing(env: core.Env) -> None:
     assert sorted(worker_pids(env.proxy.state_dir)) == sorted(workers.values())
 
 
-def test_dead_endpoint_is_skipped_by_the_retry(env: core.Env) -> None:
+def test_dead_endpoint_is_skipped_by_the_retry(env: Env) -> None:
     # 10.244.0.200 is routed to pod1's veth, where nobody answers: a SYN into the void, so
     # the first dial attempt to it times out (250 ms) and the connection moves on.
     env.lab.exec(env.lab.node_ns, ["ip", "route", "add", "10.244.0.200/32", "dev", "veth-p1"])
     write(
         env.source / "web.yaml",
-        service("web", "10.96.0.10", core.WEB_PORTS),
+        service("web", "10.96.0.10", WEB_PORTS),
         endpoint_slice(
             "web",
-            [endpoint(ip) for ip in ("10.244.0.200", core.POD_IPS[1])],
-            core.WEB_SLICE_PORTS,
+            [endpoint(ip) for ip in ("10.244.0.200", POD_IPS[1])],
+            WEB_SLICE_PORTS,
         ),
     )
     env.proxy.start()
     results = env.client().request_many(
         proto="tcp", dst="10.96.0.10", port=80, count=8, timeout=2.0
     )
-    assert core.pods_of(results) == core.Counter({"pod2": 8})
+    assert pods_of(results) == Counter({"pod2": 8})
     slow = [r.elapsed for r in results if r.elapsed > 0.2]
     # Round robin sends every second connection to the dead endpoint first.
     assert len(slow) >= 3, [round(r.elapsed, 3) for r in results]
@@ -254,20 +185,20 @@ def test_dead_endpoint_is_skipped_by_the_retry(env: core.Env) -> None:
 
 
 def test_removed_endpoint_gets_no_new_connections_while_established_ones_drain(
-    env: core.Env,
+    env: Env,
 ) -> None:
-    core.web(env)
+    web(env)
     env.proxy.start()
     client = env.client()
     stream = client.open_stream("10.96.0.10", 80)
     first = client.stream_ping(stream)
     assert first.ok
-    keep = tuple(ip for ip in core.POD_IPS if ip != env.lab.pod_ips[first.pod or ""])
-    core.web(env, pods=keep)
+    keep = tuple(ip for ip in POD_IPS if ip != env.lab.pod_ips[first.pod or ""])
+    web(env, pods=keep)
     env.sync()
     fresh = client.request_many(proto="tcp", dst="10.96.0.10", port=80, count=12, timeout=1.0)
     assert all(r.ok for r in fresh)
-    assert first.pod not in core.pods_of(fresh)
+    assert first.pod not in pods_of(fresh)
     again = client.stream_ping(stream)
     assert again.ok and again.pod == first.pod, again
 
@@ -293,8 +224,8 @@ def _snapshot(*objects: dict[str, object]):
 
 
 WEB = (
-    service("web", "10.96.0.10", core.WEB_PORTS),
-    endpoint_slice("web", [endpoint(core.POD_IPS[0])], core.WEB_SLICE_PORTS),
+    service("web", "10.96.0.10", WEB_PORTS),
+    endpoint_slice("web", [endpoint(POD_IPS[0])], WEB_SLICE_PORTS),
 )
 
 
@@ -344,8 +275,8 @@ def test_new_listener_is_up_before_its_rule_and_old_one_stays_until_its_rule_is_
     dp = _dataplane(lab, state, workers=2)
     client = lab.agent(lab.client_ns[0])
     api = (
-        service("api", "10.96.0.30", core.WEB_PORTS),
-        endpoint_slice("api", [endpoint(core.POD_IPS[1])], core.WEB_SLICE_PORTS),
+        service("api", "10.96.0.30", WEB_PORTS),
+        endpoint_slice("api", [endpoint(POD_IPS[1])], WEB_SLICE_PORTS),
     )
     failures: list[ProbeResult] = []
     stop = threading.Event()
@@ -423,7 +354,7 @@ def test_bulk_echo_with_backpressure_and_half_close(lab: Lab, tmp_path: Path, en
         dp.sync(
             _snapshot(
                 service("echo", "10.96.0.70", [port("echo", 7000, 7000)]),
-                endpoint_slice("echo", [endpoint(core.POD_IPS[0])], [port("echo", 7000)]),
+                endpoint_slice("echo", [endpoint(POD_IPS[0])], [port("echo", 7000)]),
             ),
             full=True,
         )
@@ -470,7 +401,7 @@ def test_udp_session_sticks_while_busy_and_ends_after_the_idle_timeout(
                 service("dns", "10.96.0.53", dns),
                 endpoint_slice(
                     "dns",
-                    [endpoint(ip) for ip in core.POD_IPS[:2]],
+                    [endpoint(ip) for ip in POD_IPS[:2]],
                     [port("dns", 8080, protocol="UDP")],
                 ),
             ),
@@ -479,7 +410,7 @@ def test_udp_session_sticks_while_busy_and_ends_after_the_idle_timeout(
         busy = client.request_many(
             proto="udp", dst="10.96.0.53", port=53, count=6, timeout=1.0, sport=40054
         )
-        assert len(core.pods_of(busy)) == 1 and all(r.ok for r in busy), core.pods_of(busy)
+        assert len(pods_of(busy)) == 1 and all(r.ok for r in busy), pods_of(busy)
         # The pod sees the node (ClusterIP traffic from outside the cluster CIDR).
         assert {r.peer for r in busy} == {lab.node_ip}
         time.sleep(0.6)  # idle: the session (and its backend socket) is gone

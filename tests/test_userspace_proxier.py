@@ -16,7 +16,7 @@ from kproxy.dataplane.userspace import control, proxier
 from kproxy.dataplane.userspace.control import ControlError, WorkerSet
 from kproxy.dataplane.userspace.proxier import UserspaceDataplane, saved_ports
 from kproxy.model.snapshot import snapshot_from_objects
-from tests.objects import endpoint, endpoint_slice, node, port, service
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
 FACTS = NodeFacts(node_ips=("10.100.0.1",), local_addresses=("10.100.0.1",))
 

@@ -15,7 +15,7 @@ from kproxy.dataplane.userspace.render import (
     render_text,
 )
 from kproxy.model.snapshot import snapshot_from_objects
-from tests.objects import endpoint, endpoint_slice, node, port, service
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
 FACTS = NodeFacts(node_ips=("10.100.0.1",), local_addresses=("10.100.0.1", "127.0.0.1"))
 OPTIONS = RuleOptions(cluster_cidrs=("10.244.0.0/16",))

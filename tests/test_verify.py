@@ -36,7 +36,7 @@ from kproxy.ops.verify import (
     run,
 )
 from kproxy.server.metrics import IP_FAMILY, ProxyMetrics
-from tests.objects import node
+from tests.support.objects import node
 
 T0 = 1_800_000_000.0  # wall clock of the first sample
 EMPTY: Snapshot = snapshot_from_objects([node()], "node1")

@@ -15,8 +15,8 @@ import pytest
 
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
-from tests.test_dataplane_kernel import CONFIG, POD_IPS
+from tests.support.dataplane_env import CONFIG, POD_IPS
+from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
 

@@ -24,7 +24,7 @@ from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from kproxy.leftovers import clean_leftovers
 from kproxy.ops import inspect as inspection
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
 

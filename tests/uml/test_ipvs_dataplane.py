@@ -26,7 +26,7 @@ from kproxy.lab.topology import Lab
 from kproxy.leftovers import clean_leftovers
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import snapshot_from_objects
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
 

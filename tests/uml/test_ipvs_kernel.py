@@ -18,7 +18,7 @@ import pytest
 from kproxy.lab.agent import ProbeAgent, ProbeResult
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
 

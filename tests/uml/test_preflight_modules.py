@@ -23,7 +23,7 @@ from kproxy.ops.preflight import NodeAccess, run_preflight
 from kproxy.ops.preflight.findings import Severity
 from kproxy.ops.preflight.kernel import module_tree
 from kproxy.ops.preflight.run import PreflightResult
-from tests.uml.conftest import Guest
+from tests.support.uml import Guest
 
 pytestmark = pytest.mark.kernel
 

@@ -33,8 +33,8 @@ from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from kproxy.leftovers import clean_leftovers
 from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
-from tests.uml.conftest import Guest
+from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.uml import Guest
 
 pytestmark = pytest.mark.kernel
 

@@ -18,7 +18,7 @@ import pytest
 from kproxy.dataplane.iptables.backend import detect_backend
 from kproxy.lab.topology import Lab
 from kproxy.lab.uml import NFTABLES_GUEST_MODULES
-from tests.uml.conftest import Guest
+from tests.support.uml import Guest
 
 pytestmark = pytest.mark.kernel
 

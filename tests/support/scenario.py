@@ -5,9 +5,9 @@ with 3 endpoints (+ NodePort + externalIP), 1 endpoint, no endpoints, ClientIP a
 LoadBalancer with loadBalancerSourceRanges, externalTrafficPolicy Local (with and without a
 local endpoint), UDP.
 
-Regenerate tests/test_inspect_dumps.py (root, from the repository root):
+Regenerate tests/support/inspect_dumps.py (root, from the repository root):
 
-    .venv/bin/python -m tests.test_inspect_scenario
+    .venv/bin/python -m tests.support.scenario
 """
 
 from __future__ import annotations
@@ -19,18 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.objects import endpoint, endpoint_slice, node, port, service, write
+from tests.support.dataplane_env import CONFIG
+from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-iptables: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-nftables: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-conntrack: {{maxPerCore: 0}}
-"""
 PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
 ALLOWED_CLIENT = "10.100.0.2"  # the lab's first client; the second (10.100.0.3) is denied
 HTTP = [port("http", 80, "http")]
@@ -95,10 +86,10 @@ def scenario_objects(allowed: str = ALLOWED_CLIENT) -> list[dict[str, Any]]:
 
 # --- the recorder --------------------------------------------------------------------------------
 
-DUMPS = Path(__file__).with_name("test_inspect_dumps.py")
+DUMPS = Path(__file__).with_name("inspect_dumps.py")
 HEADER = '''"""Kernel dumps recorded in the lab for the inspect unit tests (test data, no tests).
 
-Recorded by tests/test_inspect_scenario.py: `kproxy run` on a lab node with its objects,
+Recorded by tests/support/scenario.py: `kproxy run` on a lab node with its objects,
 then six requests to default/web, one to default/aff (an affinity entry), three open
 streams to default/one, all from the first client; each mode in a fresh lab.
 """

@@ -1,4 +1,4 @@
-"""Test helpers for nftables mode, and their own tests.
+"""Fakes for nftables mode (their own tests are in tests/test_nft_fakes.py).
 
 * FakeTable: an in-memory `table ip kube-proxy` that applies transactions line by line the
   way the kernel does (atomically; missing objects, dangling jumps, element clashes and
@@ -17,8 +17,6 @@ import ipaddress
 import re
 import shlex
 from dataclasses import dataclass, field
-
-import pytest
 
 from kproxy.dataplane.nftables.backend import NftError, TableRef
 from kproxy.dataplane.nftables.steps import op_line, split
@@ -520,41 +518,3 @@ class FakeBackend:
             return False
         self.run(f"delete table {family} {name}\n")
         return True
-
-
-# --- tests of the helpers themselves ----------------------------------------------------
-
-
-def test_fake_table_is_atomic_and_strict() -> None:
-    t = FakeTable()
-    t.apply(f"add table {WHERE}\nadd chain {WHERE} a\nadd chain {WHERE} b\n")
-    t.apply(f"add rule {WHERE} a jump b\n")
-    with pytest.raises(FakeNftError) as err:
-        t.apply(f"add chain {WHERE} c\nadd rule {WHERE} c goto missing\n")
-    assert err.value.line_number == 2
-    assert "c" not in t.chains  # nothing of the failed transaction stayed
-    with pytest.raises(FakeNftError, match="busy"):
-        t.apply(f"delete chain {WHERE} b\n")
-    t.apply(f"flush chain {WHERE} a\ndelete chain {WHERE} b\n")
-    assert list(t.chains) == ["a"]
-
-
-def test_fake_table_element_clash_needs_delete_first() -> None:
-    t = FakeTable()
-    t.apply(f"add table {WHERE}\nadd map {WHERE} m {{ type ipv4_addr : verdict ; }}\n")
-    t.apply(f"add element {WHERE} m {{ 1.2.3.4 : drop }}\n")
-    t.apply(f"add element {WHERE} m {{ 1.2.3.4 : drop }}\n")  # same value: fine
-    with pytest.raises(FakeNftError, match="File exists"):
-        t.apply(f"add element {WHERE} m {{ 1.2.3.4 : accept }}\n")
-    t.apply(
-        f"delete element {WHERE} m {{ 1.2.3.4 }}\nadd element {WHERE} m {{ 1.2.3.4 : accept }}\n"
-    )
-    assert t.containers["m"].values == {"1.2.3.4": "accept"}
-
-
-def test_sort_dump_ignores_object_order_but_not_rule_order() -> None:
-    a = f"add chain {WHERE} x\nadd rule {WHERE} x drop\nadd rule {WHERE} x accept\n"
-    b = f"add rule {WHERE} x drop\nadd rule {WHERE} x accept\nadd chain {WHERE} x\n"
-    assert sort_dump(a) == sort_dump(b)
-    c = f"add chain {WHERE} x\nadd rule {WHERE} x accept\nadd rule {WHERE} x drop\n"
-    assert sort_dump(a) != sort_dump(c)

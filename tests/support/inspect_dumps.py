@@ -1,6 +1,6 @@
 """Kernel dumps recorded in the lab for the inspect unit tests (test data, no tests).
 
-Recorded by tests/test_inspect_scenario.py: `kproxy run` on a lab node with its objects,
+Recorded by tests/support/scenario.py: `kproxy run` on a lab node with its objects,
 then six requests to default/web, one to default/aff (an affinity entry), three open
 streams to default/one, all from the first client; each mode in a fresh lab.
 """
