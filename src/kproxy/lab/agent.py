@@ -130,7 +130,18 @@ async def request(
         return result(False, started, error=classify_error(exc))
     try:
         async with asyncio.timeout(timeout):
-            await loop.sock_connect(sock, (dst, port))
+            while True:
+                try:
+                    await loop.sock_connect(sock, (dst, port))
+                    break
+                except OSError as exc:
+                    # The same fixed source port's last connection may still be closing
+                    # (its four-tuple taken until the peer's FIN): wait for it.
+                    if not sport or exc.errno != errno.EADDRNOTAVAIL:
+                        raise
+                    sock.close()
+                    await asyncio.sleep(0.02)
+                    sock = _new_socket(proto, sport)
             local_port = sock.getsockname()[1]
             await loop.sock_sendall(sock, PAYLOAD)
             if proto == "udp":
