@@ -120,8 +120,14 @@ def test_status_pause_resume_and_abort_through_the_controller(
         assert "n1    1      iptables  nftables  Switched" in out
         code, out = kproxy(kc, "pause", "r")
         assert code == 0 and out.strip() == "paused"
-        code, out = kproxy(kc, "resume", "r")
-        assert code == 0 and out.strip() == "resumed"
+        code, out = kproxy(kc, "resume", "r", "--json")
+        assert code == 0
+        assert json.loads(out) == {
+            "rollout": "r",
+            "request": "resume",
+            "ok": True,
+            "answer": "resumed",
+        }
         code, out = kproxy(kc, "abort", "r", "--rollback", "all")
         assert code == 0 and "aborted (rollback: all)" in out
         wait_for(lambda: phase(store, "r") == st.FAILED)

@@ -421,6 +421,16 @@ def _request(
 
 
 NameRequired = Annotated[str, typer.Argument(help="The rollout.")]
+
+
+def _answer(name: str, verb: str, answer: str, json_out: bool, *, ok: bool = True) -> None:
+    """The controller's answer to a request, as text or JSON."""
+    if json_out:
+        typer.echo(json.dumps({"rollout": name, "request": verb, "ok": ok, "answer": answer}))
+    else:
+        typer.echo(answer)
+
+
 Timeout = Annotated[
     float, typer.Option("--timeout", help="Seconds to wait for the controller's answer.")
 ]
@@ -430,25 +440,28 @@ Timeout = Annotated[
 def pause_command(
     name: NameRequired,
     timeout: Timeout = 30.0,
+    json_out: JsonOut = False,
     kubeconfig: Kubeconfig = None,
     master: Master = None,
 ) -> None:
     """Stop starting new node switches; switches under way finish."""
-    typer.echo(_request(name, "pause", kubeconfig, master, timeout))
+    _answer(name, "pause", _request(name, "pause", kubeconfig, master, timeout), json_out)
 
 
 @rollout_app.command("resume")
 def resume_command(
     name: NameRequired,
     timeout: Timeout = 30.0,
+    json_out: JsonOut = False,
     kubeconfig: Kubeconfig = None,
     master: Master = None,
 ) -> None:
     """Go on after a pause or a trip. The controller reads the cluster breakers again first
     and refuses while one still trips. Exit 1 when refused."""
     answer = _request(name, "resume", kubeconfig, master, timeout)
-    typer.echo(answer)
-    if answer.startswith("resume refused") or "not Paused" in answer:
+    refused = answer.startswith("resume refused") or "not Paused" in answer
+    _answer(name, "resume", answer, json_out, ok=not refused)
+    if refused:
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -464,13 +477,15 @@ def abort_command(
         ),
     ] = "batch",
     timeout: Timeout = 30.0,
+    json_out: JsonOut = False,
     kubeconfig: Kubeconfig = None,
     master: Master = None,
 ) -> None:
     """End the rollout (phase Failed), rolling back as asked; switches under way finish."""
     if rollback not in ("none", "batch", "all"):
         raise _fail(f"--rollback {rollback!r}: use none, batch or all", EXIT_USAGE)
-    typer.echo(_request(name, f"abort:{rollback}", kubeconfig, master, timeout))
+    verb = f"abort:{rollback}"
+    _answer(name, verb, _request(name, verb, kubeconfig, master, timeout), json_out)
 
 
 @rollout_app.command("undo")
