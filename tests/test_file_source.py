@@ -266,6 +266,29 @@ def test_add_file_emits_upserts(tmp_path: Path, started: Any) -> None:
     assert batch[skey("b")] is not None
 
 
+def test_a_file_written_into_a_new_folder_before_its_watch_is_seen(
+    tmp_path: Path, started: Any
+) -> None:
+    """The race behind a flaky run: the folder is scanned while still empty, the file lands
+    before the folder's watch exists (no event will come): the source must look again soon,
+    not at its 10 s safety rescan."""
+    write(tmp_path / "a.yaml", svc("a"))
+    src, rec = started(tmp_path)
+    scan = src._scanner.scan
+
+    def scan_then_write(*args: Any) -> Any:
+        found, directories = scan(*args)
+        new = tmp_path / "new"
+        if str(new) in directories and not (new / "b.yaml").exists():
+            write(new / "b.yaml", svc("b"))  # after the scan, before watch()
+        return found, directories
+
+    src._scanner.scan = scan_then_write
+    (tmp_path / "new").mkdir()
+    batch = by_key(rec.wait_batches(2)[1])
+    assert set(batch) == {skey("b")}
+
+
 def test_edit_one_object_in_multidoc_file(tmp_path: Path, started: Any) -> None:
     f = tmp_path / "all.yaml"
     write(f, svc("a", 80) + "---\n" + svc("b", 80) + "---\n" + svc("c", 80))

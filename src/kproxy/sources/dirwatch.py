@@ -43,6 +43,9 @@ class DirWatch:
         self._inotify = INotify(nonblocking=True)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._watches: dict[str, int] = {}
+        # The directories the last watch() began to watch: what was written into them before
+        # their watch existed sent no event (a folder created with files in it).
+        self.added: set[str] = set()
 
     @classmethod
     def create(cls) -> DirWatch | None:
@@ -63,9 +66,11 @@ class DirWatch:
             with contextlib.suppress(OSError):
                 self._inotify.rm_watch(wd)
         complete = True
+        self.added = set()
         for path in wanted - set(self._watches):
             try:
                 self._watches[path] = self._inotify.add_watch(path, _MASK)
+                self.added.add(path)
             except OSError as e:
                 if e.errno in (errno.ENOENT, errno.ENOTDIR):
                     continue  # gone since the scan; the next scan sees it

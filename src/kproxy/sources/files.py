@@ -433,7 +433,10 @@ class FileSource:
             watch.drain()  # the poll about to run covers whatever those events announced
 
     def _unsettled(self) -> bool:
-        return any(s.pending is not None or s.missing for s in self._states.values())
+        # A folder watched only since the last poll may have got files before its watch
+        # existed: look once more instead of waiting for an event that will not come.
+        new_folders = self._watch is not None and bool(self._watch.added)
+        return new_folders or any(s.pending is not None or s.missing for s in self._states.values())
 
     def _deliver(self, batch: list[ObjectEvent]) -> None:
         assert self._sink is not None
