@@ -1,6 +1,6 @@
 """Node settings kube-proxy applies once at startup: conntrack sysctls and the OOM score.
 
-Same rules as upstream (reference §7): maxPerCore > 0 sizes nf_conntrack_max as
+Same rules as upstream: maxPerCore > 0 sizes nf_conntrack_max as
 maxPerCore x CPUs (at least `min`), raised only, and the hash table to a quarter of it;
 timeouts are written only when > 0. Failures are warnings, never fatal: a container
 with a read-only /proc/sys still proxies.

@@ -4,7 +4,8 @@ Order (each step timed in the report):
   check      the target mode can run here (never a fallback)
   snapshot   the node's dataplane, kept in the state dir (or the verified backup the
              preflight of `kproxy switch` wrote moments before: the same document)
-  anchor     conntrack and NAT hooks held for the whole switch (dataplane-lab G14)
+  anchor     conntrack and NAT hooks held for the whole switch (conntrack runs only while
+             a rule uses it)
   program    the new mode completely, beside the old one (both in the packet path now;
              both DNAT to the same endpoints, the first binding wins, so this is harmless)
   verify     every service destination of the snapshot is in the new mode's kernel state

@@ -1,6 +1,6 @@
 """The one sync loop for every mode: source events -> tracker -> bounded runner -> dataplane.
 
-Policy (upstream's, see reference §1.7 and §6): the first sync after start is full (it
+Policy (upstream's): the first sync after start is full (it
 adopts whatever rules are there and converges, without flushing anything); later syncs are
 partial unless the previous one failed, the last full sync is older than full_sync_period,
 or the dataplane reports drift. A failed apply keeps the last good rules in the kernel and

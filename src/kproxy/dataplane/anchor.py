@@ -1,6 +1,6 @@
 """A conntrack anchor: one tiny rule that keeps connection tracking alive in a namespace.
 
-The kernel runs conntrack in a namespace only while some rule uses it (dataplane-lab G14).
+The kernel runs conntrack in a namespace only while some rule uses it.
 When the last such rule goes, for example between removing one proxy mode's rules and
 installing the next, established NAT connections are forwarded untranslated and die. The
 anchor holds conntrack for the whole of a mode switch. It is an nftables table when

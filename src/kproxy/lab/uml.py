@@ -13,7 +13,7 @@ could leak onto the host is made private first:
 - PYTHONDONTWRITEBYTECODE keeps guest pythons from writing __pycache__ into the repo.
 
 Results come back through the run directory: the init writes them, syncs, and powers off;
-the host reads them after `linux.uml` exits (dataplane-lab.md §1.4, §2.4).
+the host reads them after `linux.uml` exits.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ OPTIONS: tuple[str, ...] = (
     "CONFIG_NF_CT_PROTO_SCTP=y",
     "CONFIG_NF_CT_NETLINK=m",
     "CONFIG_NF_NAT=m",
-    # nf_tables with the ip family, which Debian's UML kernels lack (dataplane-lab G9): the
+    # nf_tables with the ip family, which Debian's UML kernels lack: the
     # guest runs nftables mode and iptables-nft beside IPVS (the ipvs <-> nftables switch).
     "CONFIG_NF_TABLES=m",
     "CONFIG_NF_TABLES_IPV4=y",

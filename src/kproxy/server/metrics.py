@@ -1,6 +1,6 @@
 """Prometheus metrics with upstream kube-proxy's names, types, labels and buckets.
 
-Dashboards and alerts written for kube-proxy (reference §6) must work unchanged, so the
+Dashboards and alerts written for kube-proxy must work unchanged, so the
 names below are upstream's, in subsystem `kubeproxy`; kproxy's own additions are prefixed
 `kproxy_`. One registry per process, so tests can build several without collisions.
 """

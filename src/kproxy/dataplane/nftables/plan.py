@@ -32,7 +32,7 @@ ADDR_TYPE = "ipv4_addr"
 NO_LOCALHOST = "ip daddr != 127.0.0.0/8"
 
 # Base-chain priorities as numbers: nft 1.0.6 rejects the name "dstnat" on the output hook
-# (dataplane-lab G1), and upstream's knftables writes numbers for the same reason.
+# (measured), and upstream's knftables writes numbers for the same reason.
 PRIORITY_DSTNAT = -100
 PRIORITY_FILTER = 0
 PRIORITY_SRCNAT = 100

@@ -7,7 +7,7 @@ which destination a connection was sent to, and a separate proxy port says so wi
 per-connection lookup. Proxy ports come from a port range; a port stays with its listener
 for as long as the listener exists (the caller persists the allocation across restarts).
 
-Rules, in upstream's old userspace chains (reference §4), with kproxy's additions:
+Rules, in upstream's old userspace chains, with kproxy's additions:
 
 * nat KUBE-PORTALS-CONTAINER (PREROUTING) / KUBE-PORTALS-HOST (OUTPUT): ClusterIP,
   externalIP and LoadBalancer destinations -> DNAT to <node IP>:<proxy port>. Upstream used

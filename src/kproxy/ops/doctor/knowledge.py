@@ -2,7 +2,7 @@
 
 Each entry says what a user of the service sees (the symptom), the cause behind it, the
 commands that show it on the node, and where the failure was seen (issue numbers are
-kubernetes/kubernetes unless another project is named; see field-notes.md). Doctor
+kubernetes/kubernetes unless another project is named). Doctor
 attaches the entry to its finding, so the report reads like the troubleshooting tables.
 """
 
@@ -94,7 +94,7 @@ KNOWLEDGE: dict[str, Knowledge] = {
     "conntrack.unreplied": Knowledge(
         "new connections hang; a retry from the same client port hangs for about two minutes",
         "UNREPLIED conntrack entries: connections started while no rule translated them "
-        "(a rule gap) keep their old translation (dataplane-lab G13)",
+        "(a rule gap) keep their old translation",
         ("conntrack -L -d VIP --status UNREPLIED",),
     ),
     "conntrack.stale-udp": Knowledge(
