@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from kproxy.lab.agent import ProbeAgent, ProbeResult
 from kproxy.lab.topology import Lab
 
+STREAM_GONE = ("closed", "reset")  # a ping error that ends its stream
+
 
 @dataclass
 class LoadResult:
@@ -24,6 +26,10 @@ class LoadResult:
     streams_dropped: int = 0
     udp_sent: int = 0
     udp_failed: list[tuple[float, str]] = field(default_factory=list)
+    streams_opened: int = 0
+    # (time, pod, error) of every failed ping: the pod that last answered on that stream, so
+    # a failure can be laid at that endpoint's removal.
+    stream_failures: list[tuple[float, str | None, str]] = field(default_factory=list)
 
     @property
     def failures(self) -> int:
@@ -50,14 +56,21 @@ class LoadHarness:
         timeout: float = 2.0,
         fresh_from: str | None = None,
         streams_from: str | None = None,
+        ping_interval: float = 0.1,
+        udp_interval: float = 0.05,
+        udp_sport: int = 41053,
     ) -> None:
         """fresh_from / streams_from: the namespaces the fresh connections (and UDP) and the
-        long-lived ones start in (default: the lab's first and last client)."""
+        long-lived ones start in (default: the lab's first and last client). Harnesses that
+        send UDP from one namespace at once need their own udp_sport each."""
         self.lab = lab
         self.tcp = tcp
         self.udp = udp
         self.n_streams = streams
         self.fresh_interval = fresh_interval
+        self.ping_interval = ping_interval
+        self.udp_interval = udp_interval
+        self.udp_sport = udp_sport
         self.timeout = timeout
         self.fresh_from = fresh_from or lab.client_ns[0]
         self.streams_from = streams_from or lab.client_ns[-1]
@@ -65,6 +78,11 @@ class LoadHarness:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._t0 = 0.0
+
+    @property
+    def started(self) -> float:
+        """time.monotonic() at start(): the zero of the times in the result."""
+        return self._t0
 
     def _now(self) -> float:
         return round(time.monotonic() - self._t0, 3)
@@ -78,6 +96,7 @@ class LoadHarness:
             stream_agent.open_stream(dst=ip, port=port, timeout=self.timeout)
             for _ in range(self.n_streams)
         ]
+        self.result.streams_opened = len(streams)
         self._threads = [
             threading.Thread(target=self._fresh, args=(fresh_agent,), daemon=True),
             threading.Thread(target=self._streams, args=(stream_agent, streams), daemon=True),
@@ -110,24 +129,29 @@ class LoadHarness:
 
     def _streams(self, agent: ProbeAgent, streams: list[str]) -> None:
         dead: set[str] = set()
+        pods: dict[str, str | None] = {}
         while not self._stop.is_set():
             for sid in streams:
                 if sid in dead:
                     continue
                 r = agent.stream_ping(sid, timeout=1.0)
                 self.result.pings_sent += 1
-                if not r.ok:
+                if r.ok:
+                    pods[sid] = r.pod
+                else:
                     self._record(r, self.result.pings_failed)
-                    if r.error in ("closed", "reset"):
+                    error = r.error or "failed"
+                    self.result.stream_failures.append((self._now(), pods.get(sid), error))
+                    if error in STREAM_GONE:
                         dead.add(sid)
                         self.result.streams_dropped += 1
-            self._stop.wait(0.1)
+            self._stop.wait(self.ping_interval)
 
     def _udp(self, agent: ProbeAgent) -> None:
         assert self.udp is not None
         ip, port = self.udp
         while not self._stop.is_set():
-            r = agent.request(proto="udp", dst=ip, port=port, timeout=1.0, sport=41053)
+            r = agent.request(proto="udp", dst=ip, port=port, timeout=1.0, sport=self.udp_sport)
             self.result.udp_sent += 1
             self._record(r, self.result.udp_failed)
-            self._stop.wait(0.05)
+            self._stop.wait(self.udp_interval)

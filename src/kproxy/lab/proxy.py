@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from kproxy.host.netns import socket_in_netns
 from kproxy.lab.topology import Lab, LabNode
 
 
@@ -94,6 +98,23 @@ class ProxyProcess:
             time.sleep(0.05)
         raise TimeoutError(f"kproxy did not sync within {timeout} s:\n{self.log_tail()}")
 
+    def fetch(self, url: str, timeout: float = 5.0) -> str:
+        """GET an http:// URL from inside the proxy's node namespace (its /metrics, its
+        healthz), where the bench or test process cannot connect by itself."""
+        parts = urlsplit(url)
+        if parts.scheme != "http" or parts.hostname is None:
+            raise ValueError(f"not an http URL: {url!r}")
+        conn = _NetnsHTTPConnection(self.node.ns, parts.hostname, parts.port or 80, timeout)
+        try:
+            conn.request("GET", parts.path or "/")
+            resp = conn.getresponse()
+            body = resp.read().decode(errors="replace")
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise OSError(f"GET {url}: HTTP {resp.status}")
+        return body
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text().splitlines()[-lines:])
@@ -113,3 +134,21 @@ class ProxyProcess:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class _NetnsHTTPConnection(http.client.HTTPConnection):
+    """An HTTP connection whose socket is made inside a network namespace."""
+
+    def __init__(self, netns: str, host: str, port: int, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self.netns = netns
+
+    def connect(self) -> None:
+        sock = socket_in_netns(self.netns, socket.AF_INET, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect((self.host, self.port))
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
