@@ -19,6 +19,7 @@ transaction would have created; only the grouping into transactions differs:
    boundaries (a big single transaction makes the kernel's anonymous-set binding quadratic);
 2. netlink, one atomic batch: element deletes and value changes;
 3. nft: flushes of chains that went stale (after nothing points at them any more);
+   netlink where new elements go over netlink too (the compact layout's partial syncs);
 4. netlink: deletes of stale affinity sets (after the chains using them were flushed).
 
 Every step is atomic and leaves a consistent table: chains exist before elements point at
@@ -152,6 +153,8 @@ def netlink_ops(tx: Transaction, ops: list[TxOp]) -> list[tuple[nl.Op, int]]:
             continue
         if op.verb == "delete" and op.kind == "chain":
             out.append((nl.delete_chain(tx.table, op.name), first))
+        elif op.verb == "flush" and op.kind == "chain":
+            out.append((nl.flush_chain(tx.table, op.name), first))
         elif op.verb == "delete" and op.kind in ("set", "map"):
             out.append((nl.delete_set(tx.table, op.name), first))
         else:
@@ -225,7 +228,7 @@ def split(tx: Transaction, *, chunk_ops: int = CHUNK_OPS) -> list[Step]:
     if changes_delete or changes_add:
         steps.append(Step("netlink", "element deletes and changes", changes_delete + changes_add))
     if stale:
-        steps.append(Step("nft", "stale chain flushes", stale))
+        steps.append(Step("netlink" if tx.netlink_adds else "nft", "stale chain flushes", stale))
     if drops:
         steps.append(Step("netlink", "deletes", drops))
     return _merge(steps, chunk_ops)
