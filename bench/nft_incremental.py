@@ -18,6 +18,10 @@ For each N (services x 10 endpoints, bench/workload.py), in a throwaway namespac
    one chain per service and no endpoint chains (a flatter layout), to show that the kernel
    cost follows the number of reachable chains.
 
+--layout compact (or both) runs the same in kproxy's compact layout (dataplane/nftables/
+compact.py), and beside kproxy's full sync times the bare `nft -f` of the very same
+transaction text in a fresh namespace (the tool alone, same run).
+
 Run as root from the repository: `.venv/bin/python -m bench.nft_incremental --services 1000,10000`.
 Every nft command runs inside the bench namespace (bench/netns.py); nothing else is touched.
 """
@@ -103,27 +107,43 @@ def probes(ns: str, repeats: int) -> None:
         print(f"    (libnftables probe failed: {proc.stderr.strip()[:120]})")
 
 
-def one_size(n: int, repeats: int, text_full: bool, probe: bool) -> None:
+def one_size(
+    n: int, repeats: int, text_full: bool, probe: bool, layout: str = "upstream", bare: bool = False
+) -> None:
     t = workload.tracker(n)
     opts = RuleOptions(cluster_cidrs=(workload.CLUSTER_CIDR,))
-    print(f"N={n} services x {workload.ENDPOINTS_PER_SERVICE} endpoints", flush=True)
+    print(
+        f"N={n} services x {workload.ENDPOINTS_PER_SERVICE} endpoints, {layout} layout",
+        flush=True,
+    )
     with netns.fresh() as ns:
         if text_full:
-            dp = NftablesDataplane(workload.facts(), opts, netns=ns, fast=False)
+            dp = NftablesDataplane(workload.facts(), opts, netns=ns, fast=False, layout=layout)
             start = time.perf_counter()
             dp.sync(t.snapshot(), full=True)
-            print(f"  full sync, upstream form (one nft -f): {time.perf_counter() - start:.1f} s")
-            subprocess.run(netns.exec_argv(ns, ["nft", "delete", "table", "ip", "kube-proxy"]))
+            print(f"  full sync, upstream form (one nft -f): {time.perf_counter() - start:.2f} s")
+            subprocess.run(netns.exec_argv(ns, ["nft", "delete", "table", "ip", dp.table]))
             netns.wait_quiet()
-        dp = NftablesDataplane(workload.facts(), opts, netns=ns, fast=True, keep_last_write=True)
+        dp = NftablesDataplane(
+            workload.facts(), opts, netns=ns, fast=True, keep_last_write=True, layout=layout
+        )
         start = time.perf_counter()
         dp.sync(t.snapshot(), full=True)
         steps = len(dp.backend.last_steps)  # type: ignore[attr-defined]
+        tm = dp.last_timings
         print(
-            f"  full sync, kproxy fast apply: {time.perf_counter() - start:.1f} s "
-            f"({steps} steps; {dp.last_timings['apply']:.1f} s applying)",
+            f"  full sync, kproxy fast apply: {time.perf_counter() - start:.2f} s "
+            f"({steps} steps; plan {tm['plan']:.2f} s, write {tm['write']:.2f} s, "
+            f"apply {tm['apply']:.2f} s)",
             flush=True,
         )
+        if bare:
+            assert dp.last_write is not None
+            text = dp.last_write.tx.text()
+            netns.wait_quiet()
+            with netns.fresh() as other:
+                took = nft_time(other, text, repeats=1)
+            print(f"  bare `nft -f` of the same transaction, fresh namespace: {took:.2f} s")
         netns.wait_quiet()
         resyncs(dp, ns, t)
         generation = 0
@@ -152,7 +172,7 @@ def one_size(n: int, repeats: int, text_full: bool, probe: bool) -> None:
                 f"delete {med['stale_delete']})",
                 flush=True,
             )
-        if probe:
+        if probe and layout == "upstream":
             probes(ns, repeats)
 
 
@@ -219,9 +239,21 @@ def main() -> None:
     )
     parser.add_argument("--no-probes", action="store_true")
     parser.add_argument("--probe-layout", action="store_true")
+    parser.add_argument(
+        "--layout",
+        choices=("upstream", "compact", "both"),
+        default="upstream",
+        help="nftables layout(s) to measure",
+    )
+    parser.add_argument(
+        "--bare", action="store_true", help="also time the bare `nft -f` of the full sync's text"
+    )
     args = parser.parse_args()
+    layouts = ("upstream", "compact") if args.layout == "both" else (args.layout,)
     for n in (int(x) for x in args.services.split(",")):
-        one_size(n, args.repeats, args.text_full, not args.no_probes)
+        for layout in layouts:
+            one_size(n, args.repeats, args.text_full, not args.no_probes, layout, args.bare)
+            netns.wait_quiet()
         if args.probe_layout:
             layout_probe(n)
         netns.wait_quiet()

@@ -50,6 +50,7 @@ class Daemon:
         config_path: Path | None = None,
         admin_address: tuple[str, int] | None = None,
         follow_node_from: str | None = None,
+        nftables_layout: str = "upstream",
     ) -> None:
         """admin_address: also serve the admin requests on this loopback TCP address.
         follow_node_from: with the API source, follow the mode the Node declares and report
@@ -80,6 +81,7 @@ class Daemon:
                 iptables_backend_choice=iptables_backend,
                 state_dir=state_dir,
                 port_range=config.port_range,
+                nftables_layout=nftables_layout,
             )[0]
 
         self.dataplane, facts = create_dataplane(
@@ -89,6 +91,7 @@ class Daemon:
             iptables_backend_choice=iptables_backend,
             state_dir=state_dir,
             port_range=config.port_range,
+            nftables_layout=nftables_layout,
         )
         self.switcher = ModeSwitcher(make_dataplane=make, state_dir=state_dir)
         self.previous_mode: str | None = None

@@ -123,6 +123,17 @@ BackendOpt = Annotated[
     str,
     typer.Option("--iptables-backend", help="auto (detect like upstream), nft or legacy."),
 ]
+LayoutOpt = Annotated[
+    str,
+    typer.Option(
+        "--nftables-layout",
+        help="nftables mode's table layout: upstream (kube-proxy's `table ip kube-proxy`, the "
+        "default) or compact (kproxy's `table ip kproxy-compact`: shared chains and maps, "
+        "whose commit cost does not grow with the number of services). kproxy's own "
+        "setting, outside KubeProxyConfiguration, so the same config stays valid for "
+        "upstream kube-proxy.",
+    ),
+]
 NodeIpOpt = Annotated[
     list[str] | None,
     typer.Option("--node-ip", help="The node's primary IP (repeatable); default: detected."),
@@ -255,6 +266,7 @@ def run(
     metrics_bind: MetricsOpt = None,
     healthz_bind: HealthOpt = None,
     backend: BackendOpt = "auto",
+    nftables_layout: LayoutOpt = "upstream",
     node_ip: NodeIpOpt = None,
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="Where failed restore inputs and state are kept.")
@@ -314,6 +326,7 @@ def run(
 
         if backend not in ("auto", "nft", "legacy"):
             raise UsageError(f"--iptables-backend: {backend!r} is not auto, nft or legacy")
+        _check_layout(nftables_layout)
         admin_tcp = _admin_tcp(admin_address)
         try:
             # The file source, or the API server (whose Node may give node IPs and a mode).
@@ -332,6 +345,7 @@ def run(
             config_path=config_path,
             admin_address=admin_tcp,
             follow_node_from=objects.follow_node_from,
+            nftables_layout=nftables_layout,
         )
         daemon.start()
     except (UsageError, DataplaneUnavailable, AdminBindError) as err:
@@ -366,6 +380,7 @@ def render(
     detect_local_mode: DetectOpt = None,
     bridge: BridgeOpt = None,
     prefix: PrefixOpt = None,
+    nftables_layout: LayoutOpt = "upstream",
     node_ip: NodeIpOpt = None,
     local_address: Annotated[
         list[str] | None,
@@ -411,6 +426,7 @@ def render(
     from kproxy.sources.files import load_path
 
     try:
+        _check_layout(nftables_layout)
         config, _ = build_config(
             config_path,
             _iptables_flags(
@@ -441,11 +457,23 @@ def render(
             )
         facts = _render_facts(node_ip, local_address, random_fully, nfacct, tcp_be_liberal)
         given = RenderArgs(
-            snapshot, facts, rule_options(config), DEFAULT_STATE_DIR, config.port_range
+            snapshot,
+            facts,
+            rule_options(config),
+            DEFAULT_STATE_DIR,
+            config.port_range,
+            nftables_layout,
         )
         sys.stdout.write(mode_spec(config.effective_mode).render(given))
     except UsageError as err:
         raise fail(str(err)) from None
+
+
+def _check_layout(layout: str) -> None:
+    from kproxy.dataplane.nftables.layouts import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise UsageError(f"--nftables-layout: {layout!r} is not {' or '.join(LAYOUTS)}")
 
 
 def _render_facts(

@@ -34,6 +34,8 @@ class CreateArgs:
     iptables_backend_choice: str = "auto"
     state_dir: Path | None = None
     port_range: str = ""
+    # nftables mode's layout (kproxy's own setting, dataplane/nftables/layouts.py).
+    nftables_layout: str = "upstream"
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class RenderArgs:
     options: RuleOptions
     state_dir: Path
     port_range: str = ""
+    nftables_layout: str = "upstream"
 
 
 Leftovers = Callable[["KernelDump"], list["OwnedObject"]]
@@ -113,7 +116,8 @@ def _create_nftables(a: CreateArgs) -> tuple[Dataplane, NodeFacts]:
     # detection's iptables-nft-save reads the whole ip family, this mode's own table
     # included (1.6 s at 10,000 services, on every restart).
     facts = detect_node_facts(backend=IptablesBackend("nft"), node_ips=a.node_ips)
-    return NftablesDataplane(facts, a.options, state_dir=a.state_dir), facts
+    dataplane = NftablesDataplane(facts, a.options, state_dir=a.state_dir, layout=a.nftables_layout)
+    return dataplane, facts
 
 
 def _create_ipvs(a: CreateArgs) -> tuple[Dataplane, NodeFacts]:
@@ -148,7 +152,7 @@ def _render_iptables(a: RenderArgs) -> str:
 def _render_nftables(a: RenderArgs) -> str:
     from kproxy.dataplane.nftables.render import render_full
 
-    return render_full(a.snapshot, a.facts, a.options)
+    return render_full(a.snapshot, a.facts, a.options, layout=a.nftables_layout)
 
 
 def _render_ipvs(a: RenderArgs) -> str:
@@ -248,11 +252,14 @@ def create_dataplane(
     iptables_backend_choice: str = "auto",
     state_dir: Path | None = None,
     port_range: str = "",
+    nftables_layout: str = "upstream",
 ) -> tuple[Dataplane, NodeFacts]:
     """The dataplane for `mode` in the current network namespace, and the facts it uses."""
     spec = mode_spec(mode)
     return spec.create(
-        CreateArgs(options, node_ips, iptables_backend_choice, state_dir, port_range)
+        CreateArgs(
+            options, node_ips, iptables_backend_choice, state_dir, port_range, nftables_layout
+        )
     )
 
 

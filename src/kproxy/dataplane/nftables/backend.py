@@ -310,8 +310,9 @@ class NftBackend:
     def elements(
         self, kind: str, family: str, table: str, name: str
     ) -> list[tuple[str, str, str | None]]:
-        """(key, value, comment) of every element of a set or verdict map, in nft's text
-        form ("172.30.0.41 . tcp . 80", "goto service-..."); value "" for sets."""
+        """(key, value, comment) of every element of a set or map, in nft's text form
+        ("172.30.0.41 . tcp . 80", "goto service-...", "10.1.0.1 . 8080"); value "" for
+        sets."""
         items = self.list_json(kind, family, table, name)
         out: list[tuple[str, str, str | None]] = []
         for item in items:
@@ -353,7 +354,10 @@ def element_key(value: Any) -> str:
 
 
 def verdict_text(value: Any) -> str:
-    """{"goto": {"target": "x"}} -> "goto x"; {"drop": null} -> "drop"."""
+    """{"goto": {"target": "x"}} -> "goto x"; {"drop": null} -> "drop"; a map's data as
+    element_key writes it ({"concat": ["10.1.0.1", 8080]} -> "10.1.0.1 . 8080")."""
+    if isinstance(value, dict) and "concat" in value:
+        return element_key(value)
     if isinstance(value, dict) and len(value) == 1:
         verb, arg = next(iter(value.items()))
         if isinstance(arg, dict) and "target" in arg:

@@ -57,6 +57,18 @@ FIREWALL_CHECK_CHAIN = "firewall-check"
 MARK_MASQ_CHAIN = "mark-for-masquerade"
 MASQUERADING_CHAIN = "masquerading"
 
+# kproxy's compact layout (compact.py): its own table, so that both layouts can be in the
+# kernel at once during a switch between them; "kproxy-" marks it as kproxy's for cleanup.
+COMPACT_TABLE = "kproxy-compact"
+COMPACT_TABLE_COMMENT = "rules for kproxy (compact nftables layout)"
+SERVICE_ENDPOINTS_MAP = "service-endpoints"
+NODEPORT_ENDPOINTS_MAP = "nodeport-endpoints"
+HAIRPIN_SET = "hairpin-endpoints"
+# Its dispatch chains, shared by every service port with the same endpoint counts:
+# "dnat/internal/3", "dnat/external-local/3/1". The "/" makes them service chains to the
+# writer (created when first used, flushed and deleted when no longer used).
+SHARED_PREFIX = "dnat/"
+
 
 def hash_and_truncate(name: str) -> str:
     """HASH-name, cut to BASE_LENGTH_MAX with a trailing "..." (upstream's hashAndTruncate)."""
@@ -104,6 +116,10 @@ def service_port_of(chain: str) -> str:
 
 def is_service_chain(chain: str) -> bool:
     return "/" in chain
+
+
+def is_shared_chain(chain: str) -> bool:
+    return chain.startswith(SHARED_PREFIX)
 
 
 def is_affinity_set(name: str) -> bool:

@@ -7,8 +7,9 @@ Deleting objects by name and adding map elements need no such cache, so kproxy s
 messages itself, in one atomic nfnetlink batch:
 
 * DELCHAIN / DELSET by name (stale chains and affinity sets);
-* NEWSETELEM / DELSETELEM for kproxy's fixed sets and verdict maps, whose key types it
-  knows (ipv4_addr, inet_proto, inet_service and their concatenations).
+* NEWSETELEM / DELSETELEM for kproxy's fixed sets and maps, whose key types it knows
+  (ipv4_addr, inet_proto, inet_service, a numgen value and their concatenations), with
+  verdicts or data of those types as values.
 
 Rules are never written here: their bytecode is nft's business.
 
@@ -117,6 +118,8 @@ def encode_key(type_: str, key: str) -> bytes:
             field = bytes([PROTOCOLS[v] if v in PROTOCOLS else int(v)])
         elif t == "inet_service":
             field = struct.pack("!H", int(v))
+        elif t == "numgen":  # numgen writes its register in host byte order
+            field = struct.pack("=I", int(v))
         else:
             raise ValueError(f"key type {t!r} is not supported")
         out += field + b"\0" * (-len(field) % 4) if len(types) > 1 else field
@@ -171,13 +174,18 @@ def set_elements(
     elements: list[tuple[str, str, str | None]],
     *,
     delete: bool,
+    data_type: str | None = None,
 ) -> Op:
-    """NEWSETELEM / DELSETELEM for (key, value, comment) elements; value "" for sets."""
+    """NEWSETELEM / DELSETELEM for (key, value, comment) elements; value "" for sets, a
+    verdict for verdict maps, data of `data_type` for other maps."""
     items = []
     for key, value, comment in elements:
         attrs = [_nested(NFTA_SET_ELEM_KEY, _attr(NFTA_DATA_VALUE, encode_key(key_type, key)))]
         if not delete:
-            if value:
+            if value and data_type is not None:
+                data = _attr(NFTA_DATA_VALUE, encode_key(data_type, value))
+                attrs.append(_nested(NFTA_SET_ELEM_DATA, data))
+            elif value:
                 attrs.append(_nested(NFTA_SET_ELEM_DATA, encode_verdict(value)))
             if comment is not None:
                 raw = comment.encode() + b"\0"

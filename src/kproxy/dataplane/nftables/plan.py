@@ -9,7 +9,9 @@ produces the same kinds of objects.
 Layout and rule text are upstream kube-proxy's nftables mode (pkg/proxy/nftables/proxier.go
 at kubernetes@531be812, whose expected outputs kubernetes@030880a5 proxier_test.go spells
 out); services are planned sorted by ServicePortName. Each service's block is cached while
-its ServicePort value is unchanged, which keeps partial syncs cheap.
+its ServicePort value is unchanged, which keeps partial syncs cheap. compact.py is the
+sibling planner of kproxy's own "compact" layout; both share this module's table setup,
+containers and the filter-side objects of a service port (`filter_side`).
 """
 
 from __future__ import annotations
@@ -104,6 +106,52 @@ CONTAINERS = {
     n.SERVICE_IPS_MAP: ("map", VMAP_TYPE, "ClusterIP, ExternalIP and LoadBalancer IP traffic"),
     n.SERVICE_NODEPORTS_MAP: ("map", PORT_VMAP_TYPE, "NodePort traffic"),
 }
+# The compact layout's containers (compact.py). The endpoint maps are declared with
+# `typeof`: a numgen value has no named type nft accepts in a concatenation. Their data
+# says `tcp dport` for any protocol (the type is inet_service either way): nft 1.0.6 cannot
+# read `th dport` back there and then rejects every later transaction on the table.
+CONTAINERS.update(
+    {
+        n.SERVICE_ENDPOINTS_MAP: (
+            "map",
+            "typeof ip daddr . meta l4proto . th dport . numgen random mod 1"
+            " : ip daddr . tcp dport",
+            "endpoint of a service address by its numgen slot",
+        ),
+        n.NODEPORT_ENDPOINTS_MAP: (
+            "map",
+            "typeof meta l4proto . th dport . numgen random mod 1 : ip daddr . tcp dport",
+            "endpoint of a service nodeport by its numgen slot",
+        ),
+        n.HAIRPIN_SET: (
+            "set",
+            f"{ADDR_TYPE} . {ADDR_TYPE}",
+            "endpoint IP . the same IP: a connection an endpoint makes to itself",
+        ),
+    }
+)
+# Key and value types of the containers declared with typeof, in netlink.encode_key's terms.
+NETLINK_TYPES = {
+    n.SERVICE_ENDPOINTS_MAP: (
+        f"{ADDR_TYPE} . inet_proto . inet_service . numgen",
+        f"{ADDR_TYPE} . inet_service",
+    ),
+    n.NODEPORT_ENDPOINTS_MAP: ("inet_proto . inet_service . numgen", f"{ADDR_TYPE} . inet_service"),
+}
+
+
+def type_clause(type_: str) -> str:
+    """The `type X` / `typeof X` clause of a container's definition."""
+    return type_ if type_.startswith("typeof ") else f"type {type_}"
+
+
+def netlink_types(container: str) -> tuple[str, str | None]:
+    """(key type, data type or None for sets and verdict maps) of a container."""
+    if container in NETLINK_TYPES:
+        return NETLINK_TYPES[container]
+    return CONTAINERS[container][1].split(" : ", 1)[0], None
+
+
 # The containers whose elements belong to services (diffed every sync, like upstream's
 # nftElementStorage); nodeport-ips is rewritten on full syncs only.
 SERVICE_CONTAINERS = (
@@ -114,6 +162,14 @@ SERVICE_CONTAINERS = (
     n.NO_ENDPOINT_NODEPORTS_MAP,
     n.SERVICE_NODEPORTS_MAP,
 )
+COMPACT_SERVICE_CONTAINERS = (
+    *SERVICE_CONTAINERS,
+    n.SERVICE_ENDPOINTS_MAP,
+    n.NODEPORT_ENDPOINTS_MAP,
+    n.HAIRPIN_SET,
+)
+# Either layout's: what a writer of elements treats as service-owned.
+ALL_SERVICE_CONTAINERS = frozenset(COMPACT_SERVICE_CONTAINERS)
 REJECT_CHAIN_COMMENT = "helper for @no-endpoint-services / @no-endpoint-nodeports"
 
 
@@ -153,6 +209,8 @@ class ServiceBlock:
     no_local_internal: bool = False
     no_local_external: bool = False
     rule_count: int = 0
+    # Chains the block uses that other blocks share (the compact layout's dispatch chains).
+    shared: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,6 +232,14 @@ class TableSetup:
     firewall_check_rule: str
     services_rules: tuple[str, ...]
     mark: str
+    table: str = n.TABLE
+    table_comment: str = n.TABLE_COMMENT
+    # The containers whose elements services own (diffed on every sync).
+    service_containers: tuple[str, ...] = SERVICE_CONTAINERS
+    # Containers created right after the table (setup rules refer to them).
+    early_containers: tuple[str, ...] = ()
+    # Partial syncs send new elements over netlink too (transaction.Transaction.netlink_adds).
+    netlink_element_adds: bool = False
 
     @property
     def rules(self) -> list[tuple[str, str]]:
@@ -202,6 +268,9 @@ class NftablesPlan:
     base: dict[ServicePortName, ServiceBlock] | None = None
     rebuilt: set[ServicePortName] = field(default_factory=set)
     removed: set[ServicePortName] = field(default_factory=set)
+    # Chains that blocks share (by name), and their rules in total.
+    shared: dict[str, Chain] = field(default_factory=dict)
+    shared_rules: int = 0
 
     def service_chains(self) -> set[str]:
         return {c.name for b in self.blocks.values() for c in b.chains}
@@ -212,7 +281,7 @@ class NftablesPlan:
     def elements(self) -> dict[str, dict[str, Element]]:
         """container -> key -> element; for a key two services claim, the later (in
         ServicePortName order) wins, as the last writer does upstream."""
-        out: dict[str, dict[str, Element]] = {c: {} for c in SERVICE_CONTAINERS}
+        out: dict[str, dict[str, Element]] = {c: {} for c in self.setup.service_containers}
         for name in sorted(self.blocks):
             for el in self.blocks[name].elements:
                 out[el.container][el.key] = el
@@ -220,7 +289,7 @@ class NftablesPlan:
 
     @property
     def rules_total(self) -> int:
-        return len(self.setup.rules) + self.block_rules
+        return len(self.setup.rules) + self.block_rules + self.shared_rules
 
 
 def nodeport_addresses(options: RuleOptions, facts: NodeFacts) -> tuple[str, ...] | None:
@@ -316,11 +385,7 @@ class NftablesPlanner:
         if snapshot.node.pod_cidrs != self._detector_cidrs:
             self._detector_cidrs = snapshot.node.pod_cidrs
             self.detector = local_traffic_detector(self.options, snapshot.node.pod_cidrs)
-            self._cache.clear()
-            self._by_id.clear()
-            self._rules = 0
-            self._last = None
-            self._handed_out = None
+            self._forget()
         last = self._last
         plan = NftablesPlan(self.setup, base=self._handed_out)
         blocks = plan.blocks if last is None else last.copy()
@@ -358,10 +423,22 @@ class NftablesPlanner:
         self._handed_out = blocks
         return plan
 
+    def _forget(self) -> None:
+        """Drop every cached block (the rules of all of them depend on what changed)."""
+        self._cache.clear()
+        self._by_id.clear()
+        self._rules = 0
+        self._last = None
+        self._handed_out = None
+
+    def _count(self, block: ServiceBlock, sign: int) -> None:
+        """Account for a block entering (+1) or leaving (-1) the cache."""
+        self._rules += sign * block.rule_count
+
     def _evict(self, name: ServicePortName) -> None:
         hit = self._cache.pop(name, None)
         if hit is not None:
-            self._rules -= hit[1].rule_count
+            self._count(hit[1], -1)
             self._by_id.pop(id(hit[0]), None)
 
     def _block(self, sp: ServicePort) -> ServiceBlock:
@@ -376,9 +453,9 @@ class NftablesPlanner:
             return hit[1]
         blk = self._build(sp)
         if hit is not None:
-            self._rules -= hit[1].rule_count
+            self._count(hit[1], -1)
             self._by_id.pop(id(hit[0]), None)
-        self._rules += blk.rule_count
+        self._count(blk, +1)
         self._cache[sp.name] = (sp, blk)
         self._by_id[id(sp)] = (sp, blk)
         return blk
@@ -386,16 +463,14 @@ class NftablesPlanner:
     # --- one service port ------------------------------------------------------------------
 
     def _build(self, sp: ServicePort) -> ServiceBlock:
-        spn = str(sp.name)
         proto = sp.protocol.lower
         base = n.service_base(sp.name)
         cluster_chain = n.SERVICE_PREFIX + base
         local_chain = n.LOCAL_PREFIX + base
         external_chain = n.EXTERNAL_PREFIX + base
-        fw_chain = n.FIREWALL_PREFIX + base
         affinity = sp.affinity_timeout is not None
+        r = port_reach(sp, self.node_ip)
 
-        has_endpoints = sp.any_endpoints
         reachable = sp.reachable_endpoints
         ep_base = {ep.addr: n.endpoint_base(sp.name, ep.ip, ep.port) for ep in reachable}
 
@@ -414,62 +489,27 @@ class NftablesPlanner:
             ensure(local_chain)
 
         internal_chain = local_chain if sp.internal_policy_local else cluster_chain
-        has_internal = has_endpoints and (not sp.internal_policy_local or bool(sp.local_endpoints))
         external_policy_chain = local_chain if sp.external_policy_local else cluster_chain
-        has_external = has_endpoints and (not sp.external_policy_local or bool(sp.local_endpoints))
-        uses_external_chain = has_endpoints and sp.is_external
+        uses_external_chain = r.has_endpoints and sp.is_external
         if uses_external_chain:
             ensure(external_chain)
+        elements, fw = filter_side(sp, r)
+        if fw is not None:
+            chain_rules[fw.name] = list(fw.rules)
 
-        if not has_endpoints:
-            internal_verdict = external_verdict = f"goto {n.REJECT_CHAIN}"
-        else:
-            internal_verdict = "" if has_internal else "drop"
-            external_verdict = "" if has_external else "drop"
-
-        lb_ips = [ip for ip in sp.load_balancer_ips if ":" not in ip]
-        ext_ips = [ip for ip in sp.external_ips if ":" not in ip]
-        ranges = [
-            ipaddress.ip_network(c.strip(), strict=False) for c in sp.load_balancer_source_ranges
-        ]
-        ranges = [r for r in ranges if r.version == 4]
-        uses_fw_chain = bool(lb_ips) and bool(ranges)
-        if uses_fw_chain:
-            ensure(fw_chain)
-
-        elements: list[Element] = []
-        dst = f"{sp.cluster_ip} . {proto} . {sp.port}"
-        elements.append(Element(n.CLUSTER_IPS_SET, sp.cluster_ip))
-        if has_internal:
-            elements.append(Element(n.SERVICE_IPS_MAP, dst, f"goto {internal_chain}"))
-        else:
-            elements.append(Element(n.NO_ENDPOINT_SERVICES_MAP, dst, internal_verdict, spn))
-        for ip in ext_ips:
-            key = f"{ip} . {proto} . {sp.port}"
-            if has_endpoints:
+        if r.has_internal:
+            elements.append(Element(n.SERVICE_IPS_MAP, r.cluster_key, f"goto {internal_chain}"))
+        if r.has_endpoints:
+            for key in r.external_keys:
                 elements.append(Element(n.SERVICE_IPS_MAP, key, f"goto {external_chain}"))
-            if not has_external:
-                elements.append(Element(n.NO_ENDPOINT_SERVICES_MAP, key, external_verdict, spn))
-        for ip in lb_ips:
-            key = f"{ip} . {proto} . {sp.port}"
-            if has_endpoints:
-                elements.append(Element(n.SERVICE_IPS_MAP, key, f"goto {external_chain}"))
-            if uses_fw_chain:
-                elements.append(Element(n.FIREWALL_IPS_MAP, key, f"goto {fw_chain}"))
-        if not has_external:
-            for ip in lb_ips:
-                key = f"{ip} . {proto} . {sp.port}"
-                elements.append(Element(n.NO_ENDPOINT_SERVICES_MAP, key, external_verdict, spn))
-        if sp.node_port:
-            key = f"{proto} . {sp.node_port}"
-            if has_endpoints:
-                elements.append(Element(n.SERVICE_NODEPORTS_MAP, key, f"goto {external_chain}"))
-            if not has_external:
-                elements.append(Element(n.NO_ENDPOINT_NODEPORTS_MAP, key, external_verdict, spn))
+            if r.nodeport_key:
+                elements.append(
+                    Element(n.SERVICE_NODEPORTS_MAP, r.nodeport_key, f"goto {external_chain}")
+                )
 
         mark_masq = f"jump {n.MARK_MASQ_CHAIN}"
         detector = self.detector
-        if has_internal:
+        if r.has_internal:
             head = f"ip daddr {sp.cluster_ip}"
             if self.options.masquerade_all:
                 chain_rules.setdefault(internal_chain, []).append(f"{head} {mark_masq}")
@@ -492,14 +532,10 @@ class NftablesPlanner:
                     f'fib saddr type local goto {cluster_chain} comment "short-circuit local'
                     ' traffic"'
                 )
-            if has_external:
+            if r.has_external:
                 ext.append(f"goto {external_policy_chain}")
-        if uses_fw_chain:
-            sources = [str(r) for r in ranges]
-            allow_from_node = self.node_ip is not None and any(self.node_ip in r for r in ranges)
-            if allow_from_node:
-                sources += lb_ips
-            chain_rules[fw_chain].append(f"ip saddr != {{ {' , '.join(sources)} }} drop")
+        if fw is not None:  # the firewall chain last, as upstream creates it
+            chain_rules[fw.name] = chain_rules.pop(fw.name)
 
         sets: list[AffinitySet] = []
         if affinity:
@@ -527,9 +563,82 @@ class NftablesPlanner:
             endpoint_chains=frozenset(n.ENDPOINT_PREFIX + b for b in ep_base.values()),
             affinity_sets=tuple(sets),
             elements=tuple(elements),
-            no_local_internal=has_endpoints and not has_internal,
-            no_local_external=has_endpoints and not has_external,
+            no_local_internal=r.has_endpoints and not r.has_internal,
+            no_local_external=r.has_endpoints and not r.has_external,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PortReach:
+    """Where a service port's traffic may go, the same in every layout: its destinations
+    (element keys) and whether each kind of traffic has endpoints."""
+
+    has_endpoints: bool
+    has_internal: bool  # ClusterIP traffic has endpoints
+    has_external: bool  # external traffic (externalIPs, LB IPs, NodePort) has endpoints
+    cluster_key: str  # "172.30.0.41 . tcp . 80"
+    external_ip_keys: tuple[str, ...]
+    lb_keys: tuple[str, ...]
+    nodeport_key: str  # "tcp . 3001", "" without a NodePort
+    # The LoadBalancerSourceRanges (IPv4) and whether this node's IP is inside one of them.
+    source_ranges: tuple[str, ...]
+    lb_ips: tuple[str, ...]
+    allow_from_node: bool
+
+    @property
+    def external_keys(self) -> tuple[str, ...]:
+        return self.external_ip_keys + self.lb_keys
+
+
+def port_reach(sp: ServicePort, node_ip: ipaddress.IPv4Address | None) -> PortReach:
+    proto = sp.protocol.lower
+    has_endpoints = sp.any_endpoints
+    lb_ips = tuple(ip for ip in sp.load_balancer_ips if ":" not in ip)
+    ext_ips = [ip for ip in sp.external_ips if ":" not in ip]
+    ranges = [ipaddress.ip_network(c.strip(), strict=False) for c in sp.load_balancer_source_ranges]
+    ranges = [r for r in ranges if r.version == 4]
+    return PortReach(
+        has_endpoints=has_endpoints,
+        has_internal=has_endpoints and (not sp.internal_policy_local or bool(sp.local_endpoints)),
+        has_external=has_endpoints and (not sp.external_policy_local or bool(sp.local_endpoints)),
+        cluster_key=f"{sp.cluster_ip} . {proto} . {sp.port}",
+        external_ip_keys=tuple(f"{ip} . {proto} . {sp.port}" for ip in ext_ips),
+        lb_keys=tuple(f"{ip} . {proto} . {sp.port}" for ip in lb_ips),
+        nodeport_key=f"{proto} . {sp.node_port}" if sp.node_port else "",
+        source_ranges=tuple(str(r) for r in ranges),
+        lb_ips=lb_ips,
+        allow_from_node=node_ip is not None and any(node_ip in r for r in ranges),
+    )
+
+
+def filter_side(sp: ServicePort, r: PortReach) -> tuple[list[Element], Chain | None]:
+    """A service port's objects on the filter side, the same in every layout: its ClusterIP
+    in cluster-ips, REJECT/DROP for destinations without endpoints, and the firewall chain of
+    LoadBalancerSourceRanges (a service's own ACL) with its firewall-ips elements."""
+    spn = str(sp.name)
+    if not r.has_endpoints:
+        internal_verdict = external_verdict = f"goto {n.REJECT_CHAIN}"
+    else:
+        internal_verdict = external_verdict = "drop"
+    elements = [Element(n.CLUSTER_IPS_SET, sp.cluster_ip)]
+    if not r.has_internal:
+        elements.append(Element(n.NO_ENDPOINT_SERVICES_MAP, r.cluster_key, internal_verdict, spn))
+    if not r.has_external:
+        for key in r.external_keys:
+            elements.append(Element(n.NO_ENDPOINT_SERVICES_MAP, key, external_verdict, spn))
+        if r.nodeport_key:
+            elements.append(
+                Element(n.NO_ENDPOINT_NODEPORTS_MAP, r.nodeport_key, external_verdict, spn)
+            )
+    if not (r.lb_keys and r.source_ranges):
+        return elements, None
+    fw_chain = n.FIREWALL_PREFIX + n.service_base(sp.name)
+    for key in r.lb_keys:
+        elements.append(Element(n.FIREWALL_IPS_MAP, key, f"goto {fw_chain}"))
+    sources = list(r.source_ranges)
+    if r.allow_from_node:
+        sources += r.lb_ips
+    return elements, Chain(fw_chain, (f"ip saddr != {{ {' , '.join(sources)} }} drop",))
 
 
 def _dispatch(

@@ -1,4 +1,5 @@
-"""nftables mode: apply NftablesPlans to `table ip kube-proxy` with `nft -f` transactions.
+"""nftables mode: apply NftablesPlans to `table ip kube-proxy` with `nft -f` transactions
+(or, in the compact layout, to `table ip kproxy-compact`: layouts.py; the apply is the same).
 
 Apply strategy (upstream's syncProxyRules, with kproxy's mirror instead of re-listing):
 
@@ -54,13 +55,12 @@ from kproxy.dataplane.custody import Custody
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.nftables import names as n
 from kproxy.dataplane.nftables.backend import NftBackend, NftError, TableRef
+from kproxy.dataplane.nftables.layouts import DEFAULT_LAYOUT, make_planner
 from kproxy.dataplane.nftables.plan import (
     CONTAINERS,
     FAMILY,
-    SERVICE_CONTAINERS,
     Element,
     NftablesPlan,
-    NftablesPlanner,
 )
 from kproxy.dataplane.nftables.transaction import (
     SyncWrite,
@@ -170,15 +170,19 @@ class NftablesDataplane(Dataplane):
         service_cidrs: Iterable[str] = (),
         clock: Callable[[], float] = time.monotonic,
         keep_last_write: bool = False,
+        layout: str = DEFAULT_LAYOUT,
     ) -> None:
         """keep_last_write: keep each sync's whole transaction in last_write (tests and
         benchmarks read it); the daemon does not: at 10,000 services a full sync's is ~130 MB
-        that would live until the next sync (through a switch's after-record, say)."""
+        that would live until the next sync (through a switch's after-record, say).
+        layout: "upstream" or "compact" (layouts.py)."""
         self.facts = facts
         self.options = options
         self.netns = netns
         self.backend: Backend = backend or NftBackend(netns=netns, fast=fast)
-        self.planner = NftablesPlanner(facts, options, service_cidrs=service_cidrs)
+        self.planner = make_planner(layout, facts, options, service_cidrs=service_cidrs)
+        self.layout = layout
+        self.table = self.planner.setup.table
         self.state_dir = state_dir
         self.clock = clock
         self._state: TableState | None = None  # None: unknown, the next sync is full
@@ -292,7 +296,7 @@ class NftablesDataplane(Dataplane):
         state = self._state
         if state is None or not state.stale:
             return 0
-        tx, due = stale_chain_deletions(state, now)
+        tx, due = stale_chain_deletions(state, now, self.table)
         if not due:
             return 0
         try:
@@ -316,7 +320,7 @@ class NftablesDataplane(Dataplane):
         state = TableState()
         flush: list[str] = []
         try:
-            exists = self.backend.table_exists(FAMILY, n.TABLE)
+            exists = self.backend.table_exists(FAMILY, self.table)
         except NftError as err:
             log.warning("cannot list nftables tables: %s", err)
             exists = True
@@ -324,20 +328,20 @@ class NftablesDataplane(Dataplane):
             return state, flush
         try:
             state.chains = {
-                c for c in self.backend.chains(FAMILY, n.TABLE) if n.is_service_chain(c)
+                c for c in self.backend.chains(FAMILY, self.table) if n.is_service_chain(c)
             }
         except NftError as err:
-            log.warning("cannot list the chains of %s %s: %s", FAMILY, n.TABLE, err)
+            log.warning("cannot list the chains of %s %s: %s", FAMILY, self.table, err)
         try:
             state.affinity_sets = {
-                s for s in self.backend.sets(FAMILY, n.TABLE) if n.is_affinity_set(s)
+                s for s in self.backend.sets(FAMILY, self.table) if n.is_affinity_set(s)
             }
         except NftError as err:
-            log.warning("cannot list the sets of %s %s: %s", FAMILY, n.TABLE, err)
-        for container in SERVICE_CONTAINERS:
+            log.warning("cannot list the sets of %s %s: %s", FAMILY, self.table, err)
+        for container in self.planner.setup.service_containers:
             kind = CONTAINERS[container][0]
             try:
-                listed = self.backend.elements(kind, FAMILY, n.TABLE, container)
+                listed = self.backend.elements(kind, FAMILY, self.table, container)
             except NftError as err:
                 if not err.not_found:
                     log.warning("cannot read %s %s (flushing it): %s", kind, container, err)
@@ -396,12 +400,12 @@ class NftablesDataplane(Dataplane):
         if self._state is None:
             return False
         try:
-            present = self.backend.table_exists(FAMILY, n.TABLE)
+            present = self.backend.table_exists(FAMILY, self.table)
         except NftError as err:
             log.warning("cannot check for the nftables table: %s", err)
             return False
         if not present:
-            log.warning("table %s %s is gone: full resync", FAMILY, n.TABLE)
+            log.warning("table %s %s is gone: full resync", FAMILY, self.table)
         return not present
 
     def detach(self) -> None:
@@ -410,7 +414,7 @@ class NftablesDataplane(Dataplane):
         cleanup(); established connections keep their conntrack translation. The next sync
         is full, which adds the base chains again."""
         try:
-            present = self.backend.table_exists(FAMILY, n.TABLE)
+            present = self.backend.table_exists(FAMILY, self.table)
         except NftError as err:
             raise SyncError(f"could not detach nftables mode: {err}") from err
         self._state = None
@@ -420,11 +424,11 @@ class NftablesDataplane(Dataplane):
         try:
             # One netlink batch: the kernel deletes each base chain with its rules, and no
             # nft process has to dump the table first (seconds at 10,000 services).
-            self.backend.delete_chains(FAMILY, n.TABLE, base)
+            self.backend.delete_chains(FAMILY, self.table, base)
             return
         except NftError as err:
             log.info("netlink detach failed (%s); detaching with nft instead", err)
-        tx = Transaction()
+        tx = Transaction(FAMILY, self.table)
         for bc in self.planner.setup.base_chains:
             tx.add_chain(bc.name)  # so that the delete cannot fail on a missing chain
             tx.flush_chain(bc.name)  # a chain with rules cannot be deleted

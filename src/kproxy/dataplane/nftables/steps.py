@@ -19,6 +19,7 @@ transaction would have created; only the grouping into transactions differs:
    boundaries (a big single transaction makes the kernel's anonymous-set binding quadratic);
 2. netlink, one atomic batch: element deletes and value changes;
 3. nft: flushes of chains that went stale (after nothing points at them any more);
+   netlink where new elements go over netlink too (the compact layout's partial syncs);
 4. netlink: deletes of stale affinity sets (after the chains using them were flushed).
 
 Every step is atomic and leaves a consistent table: chains exist before elements point at
@@ -32,10 +33,17 @@ from dataclasses import dataclass, field
 
 from kproxy.dataplane.nftables import names
 from kproxy.dataplane.nftables import netlink as nl
-from kproxy.dataplane.nftables.plan import CONTAINERS, SERVICE_CONTAINERS
+from kproxy.dataplane.nftables.plan import (
+    ALL_SERVICE_CONTAINERS,
+    CONTAINERS,
+    netlink_types,
+    type_clause,
+)
 from kproxy.dataplane.nftables.transaction import Transaction, TxOp, quote
 
 CHUNK_OPS = 20_000
+# Elements per netlink message: the element list is one attribute, whose length is 16 bits.
+NETLINK_ELEMENTS_MAX = 256
 
 
 @dataclass
@@ -49,10 +57,6 @@ class Step:
 
     def messages(self, tx: Transaction) -> list[nl.Op]:
         return [m for m, _ in netlink_ops(tx, self.ops)]
-
-
-def _key_type(container: str) -> str:
-    return CONTAINERS[container][1].split(" : ", 1)[0]
 
 
 def render_inline(tx: Transaction, ops: list[TxOp]) -> str:
@@ -84,10 +88,8 @@ def render_inline(tx: Transaction, ops: list[TxOp]) -> str:
                 items.append(f"{el.key}{comment}{value}")
                 i += 1
             kind, type_, comment = CONTAINERS[op.name]
-            out.append(
-                f"add {kind} {where} {op.name} {{ type {type_} ; comment {quote(comment)} ; "
-                f"elements = {{ {' , '.join(items)} }} }}"
-            )
+            head = f"add {kind} {where} {op.name} {{ {type_clause(type_)} ;"
+            out.append(f"{head} comment {quote(comment)} ; elements = {{ {' , '.join(items)} }} }}")
             continue
         out.append(_line(where, op))
         i += 1
@@ -132,18 +134,27 @@ def netlink_ops(tx: Transaction, ops: list[TxOp]) -> list[tuple[nl.Op, int]]:
                 and ops[i].kind == "element"
                 and ops[i].verb == op.verb
                 and ops[i].name == op.name
+                and len(group) < NETLINK_ELEMENTS_MAX
             ):
                 el = ops[i].element
                 assert el is not None
                 group.append((el.key, el.value, el.comment))
                 i += 1
+            key_type, data_type = netlink_types(op.name)
             message = nl.set_elements(
-                tx.table, op.name, _key_type(op.name), group, delete=op.verb == "delete"
+                tx.table,
+                op.name,
+                key_type,
+                group,
+                delete=op.verb == "delete",
+                data_type=data_type,
             )
             out.append((message, first))
             continue
         if op.verb == "delete" and op.kind == "chain":
             out.append((nl.delete_chain(tx.table, op.name), first))
+        elif op.verb == "flush" and op.kind == "chain":
+            out.append((nl.flush_chain(tx.table, op.name), first))
         elif op.verb == "delete" and op.kind in ("set", "map"):
             out.append((nl.delete_set(tx.table, op.name), first))
         else:
@@ -171,7 +182,11 @@ def split(tx: Transaction, *, chunk_ops: int = CHUNK_OPS) -> list[Step]:
     for index, op in enumerate(ops):
         if index in marks:
             blocks.append([])
-        service_container = op.name in SERVICE_CONTAINERS and op.kind in ("element", "set", "map")
+        service_container = op.name in ALL_SERVICE_CONTAINERS and op.kind in (
+            "element",
+            "set",
+            "map",
+        )
         if op.kind == "element" and service_container:
             assert op.element is not None
             if op.verb == "delete":
@@ -205,12 +220,15 @@ def split(tx: Transaction, *, chunk_ops: int = CHUNK_OPS) -> list[Step]:
         pending += block
     if pending:
         steps.append(Step("nft", "service chains", pending))
+    if tx.netlink_adds and all(op.kind == "element" for op in elements):
+        changes_add += elements
+        elements = []
     for i in range(0, len(elements), chunk_ops):
         steps.append(Step("nft", "map elements", elements[i : i + chunk_ops]))
     if changes_delete or changes_add:
         steps.append(Step("netlink", "element deletes and changes", changes_delete + changes_add))
     if stale:
-        steps.append(Step("nft", "stale chain flushes", stale))
+        steps.append(Step("netlink" if tx.netlink_adds else "nft", "stale chain flushes", stale))
     if drops:
         steps.append(Step("netlink", "deletes", drops))
     return _merge(steps, chunk_ops)

@@ -22,14 +22,16 @@ from dataclasses import dataclass, field
 from kproxy.dataplane.nftables import names as n
 from kproxy.dataplane.nftables.plan import (
     ADDR_TYPE,
+    COMPACT_SERVICE_CONTAINERS,
     CONTAINERS,
     FAMILY,
     REJECT_CHAIN_COMMENT,
-    SERVICE_CONTAINERS,
     BaseChain,
+    Chain,
     Element,
     NftablesPlan,
     ServiceBlock,
+    type_clause,
 )
 from kproxy.model.objects import ServicePortName
 
@@ -67,6 +69,9 @@ class Transaction:
         self.ops: list[TxOp] = []
         # Indexes into ops where a new service port's objects start.
         self.marks: list[int] = []
+        # Whether new elements may go to the kernel over netlink with the element changes
+        # (steps.split): the compact layout's partial syncs, which then need no nft at all.
+        self.netlink_adds = False
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -131,7 +136,7 @@ class Transaction:
         timeout: int | None = None,
         comment: str | None = None,
     ) -> None:
-        parts = [f"type {type_} ;"]
+        parts = [f"{type_clause(type_)} ;"]
         flags = list(flags)
         if flags:
             parts.append(f"flags {','.join(flags)} ;")
@@ -168,13 +173,15 @@ class TableState:
     """What kproxy believes the kernel's table holds (a mirror kept between syncs)."""
 
     elements: dict[str, dict[str, Element]] = field(
-        default_factory=lambda: {c: {} for c in SERVICE_CONTAINERS}
+        default_factory=lambda: {c: {} for c in COMPACT_SERVICE_CONTAINERS}
     )
     # Service chains (names with "/") that exist, in use or stale.
     chains: set[str] = field(default_factory=set)
     affinity_sets: set[str] = field(default_factory=set)
     # chain -> monotonic time it became stale (flushed, to be deleted later).
     stale: dict[str, float] = field(default_factory=dict)
+    # The shared chains last written (their names are also in `chains`).
+    shared: dict[str, Chain] = field(default_factory=dict)
     # The blocks last written, per service port (partial syncs compare against these).
     blocks: dict[ServicePortName, ServiceBlock] = field(default_factory=dict)
     # (container, key) -> service ports claiming it (to resolve a key two ports share).
@@ -202,6 +209,7 @@ class SyncWrite:
     stale_revived: set[str] = field(default_factory=set)
     elements: dict[tuple[str, str], Element | None] = field(default_factory=dict)
     owners: dict[tuple[str, str], set[ServicePortName]] = field(default_factory=dict)
+    shared: dict[str, Chain] = field(default_factory=dict)
 
     def commit(self, state: TableState) -> TableState:
         """Apply this write to `state` (in place) once the kernel accepted the transaction."""
@@ -209,7 +217,7 @@ class SyncWrite:
             state.chains = set(self.chains)
             state.affinity_sets = set(self.affinity_sets)
             state.stale = dict(self.stale)
-            state.elements = {c: {} for c in SERVICE_CONTAINERS}
+            state.elements = {c: {} for c in COMPACT_SERVICE_CONTAINERS}
             state.owners = {}
         else:
             state.chains |= self.chains
@@ -229,13 +237,16 @@ class SyncWrite:
             else:
                 state.owners.pop(key, None)
         state.blocks = self.blocks
+        state.shared = self.shared
         return state
 
 
 def write_setup(tx: Transaction, plan: NftablesPlan, *, recreate_base_chains: bool) -> int:
     """The fixed part of the table in upstream's order; returns the number of rules written."""
     setup = plan.setup
-    tx.add_table(n.TABLE_COMMENT)
+    tx.add_table(setup.table_comment)
+    for name in setup.early_containers:
+        _add_container(tx, name)
     if recreate_base_chains:
         for bc in setup.base_chains:
             tx.add_chain(bc.name)
@@ -332,12 +343,27 @@ def write_sync(
     epChainSkipUpdate). flush_containers: maps/sets whose elements could not be read, to be
     emptied and refilled (upstream's readOrReset).
     """
-    tx = Transaction()
-    out = SyncWrite(tx, full, plan.blocks)
+    tx = Transaction(FAMILY, plan.setup.table)
+    out = SyncWrite(tx, full, plan.blocks, shared=plan.shared)
     if full:
         out.rules_written += write_setup(tx, plan, recreate_base_chains=recreate_base_chains)
         for container in flush_containers:
             tx.flush_container(CONTAINERS[container][0], container)
+    # Shared chains before the blocks and elements that go to them; a shared chain's rules
+    # depend on its name and the node's options only, so it is rewritten when they differ.
+    declared = full
+    for name in sorted(plan.shared):
+        chain = plan.shared[name]
+        if full or state.shared.get(name) != chain:
+            if not declared:  # nft resolves the maps the rules name only in its own input
+                declared = True
+                for container in plan.setup.early_containers:
+                    _add_container(tx, container)
+            tx.ensure_chain(name)
+            for rule in chain.rules:
+                tx.add_rule(name, rule)
+            out.rules_written += len(chain.rules)
+    tx.netlink_adds = not full and plan.setup.netlink_element_adds
 
     changed: list[ServicePortName] = []
     skip = skip_endpoint_chains or set()
@@ -364,7 +390,7 @@ def write_sync(
     # Chains and affinity sets no longer used: a chain is flushed when it becomes stale (and
     # again on full syncs) and deleted later; an affinity set is deleted at once.
     if full:
-        now_used = plan.service_chains()
+        now_used = plan.service_chains() | plan.shared.keys()
         gone = state.chains - now_used
         out.affinity_sets = set(plan.affinity_sets())
         gone_sets = state.affinity_sets - out.affinity_sets
@@ -381,6 +407,8 @@ def write_sync(
             if (block := plan.blocks.get(name)) is not None:
                 now_used.update(c.name for c in block.chains)
                 out.affinity_sets.update(s.name for s in block.affinity_sets)
+        before.update(state.shared.keys() - plan.shared.keys())
+        now_used.update(plan.shared.keys() - state.shared.keys())
         gone = (before - now_used) & state.chains
         gone_sets = (sets_before - out.affinity_sets) & state.affinity_sets
         out.chains = now_used
@@ -454,9 +482,11 @@ def _write_elements(
         out.tx.add_element(el)
 
 
-def stale_chain_deletions(state: TableState, now: float) -> tuple[Transaction, list[str]]:
+def stale_chain_deletions(
+    state: TableState, now: float, table: str = n.TABLE
+) -> tuple[Transaction, list[str]]:
     """The separate transaction deleting chains stale for longer than STALE_CHAIN_DELAY."""
-    tx = Transaction()
+    tx = Transaction(FAMILY, table)
     due = sorted(c for c, t in state.stale.items() if now - t >= STALE_CHAIN_DELAY)
     for chain in due:
         tx.delete_chain(chain)
