@@ -174,6 +174,13 @@ def test_netlink_element_listing_matches_nfts(netns: str, layout: str) -> None:
         assert sorted(backend.elements(kind, "ip", dp.table, container)) == listed, container
         seen += len(listed)
     assert seen > 20
+    # Chain and set names come from netlink dumps too.
+    listing = backend.list_json("table", "ip", dp.table)
+    assert sorted(backend.chains("ip", dp.table)) == sorted(
+        o["chain"]["name"] for o in listing if "chain" in o
+    )
+    sets = sorted(backend.sets("ip", dp.table))
+    assert sets == sorted(o["set"]["name"] for o in listing if "set" in o) and sets
 
 
 def test_full_sync_onto_an_empty_table_equals_the_diffing_path(netns: str, layout: str) -> None:

@@ -298,8 +298,24 @@ class NftBackend:
             log.debug("netlink table lookup failed (%s); asking nft", err)
         return TableRef(family, name) in self.tables()
 
+    def _family_netlink(self, family: str) -> NftNetlink | None:
+        """The netlink client, when it speaks `family` and this backend runs the real
+        tools (else callers ask nft)."""
+        if self._runner is not run_command:
+            return None
+        if self._netlink is None:
+            self._netlink = NftNetlink(self.netns, family=family)
+        return self._netlink if self._netlink.family == FAMILIES.get(family) else None
+
     def chains(self, family: str, table: str) -> list[str]:
-        """Names of the chains of one table (`nft -j list chains FAMILY`)."""
+        """Names of the chains of one table: one netlink dump (nft 1.0.6 `list chains`
+        first fetches every set element of the family), `nft -j list chains` if that fails."""
+        try:
+            client = self._family_netlink(family)
+            if client is not None:
+                return client.chains_by_table().get(table, [])
+        except (NetlinkError, OSError) as err:
+            log.debug("netlink chain listing failed (%s); asking nft", err)
         return [
             c["chain"]["name"]
             for c in self.list_json("chains", family)
@@ -307,7 +323,14 @@ class NftBackend:
         ]
 
     def sets(self, family: str, table: str) -> list[str]:
-        """Names of the named sets of one table (definitions only, no elements)."""
+        """Names of the named sets of one table (definitions only, no elements): one
+        netlink dump, `nft -j list sets` if that fails."""
+        try:
+            client = self._family_netlink(family)
+            if client is not None:
+                return client.sets_by_table().get(table, [])
+        except (NetlinkError, OSError) as err:
+            log.debug("netlink set listing failed (%s); asking nft", err)
         return [
             s["set"]["name"]
             for s in self.list_json("sets", family)
@@ -323,10 +346,9 @@ class NftBackend:
         of 200,000 elements takes seconds), others with nft."""
         if name in ALL_SERVICE_CONTAINERS:
             try:
-                if self._netlink is None:
-                    self._netlink = NftNetlink(self.netns, family=family)
-                if self._netlink.family == FAMILIES[family]:
-                    return self._netlink.elements(table, name, *netlink_types(name))
+                client = self._family_netlink(family)
+                if client is not None:
+                    return client.elements(table, name, *netlink_types(name))
             except NetlinkError as err:
                 if err.errno == errno.ENOENT:
                     raise NftError(

@@ -51,6 +51,8 @@ NFT_MSG_NEWCHAIN: Final = 3
 NFT_MSG_GETCHAIN: Final = 4
 NFT_MSG_DELCHAIN: Final = 5
 NFT_MSG_DELRULE: Final = 8
+NFT_MSG_NEWSET: Final = 9
+NFT_MSG_GETSET: Final = 10
 NFT_MSG_DELSET: Final = 11
 NFT_MSG_NEWSETELEM: Final = 12
 NFT_MSG_GETSETELEM: Final = 13
@@ -66,6 +68,9 @@ NFTA_RULE_TABLE: Final = 1
 NFTA_RULE_CHAIN: Final = 2
 NFTA_SET_TABLE: Final = 1
 NFTA_SET_NAME: Final = 2
+NFTA_SET_FLAGS: Final = 3
+NFT_SET_ANONYMOUS: Final = 0x1
+NFT_SET_MAP: Final = 0x8
 NFTA_SET_ELEM_LIST_TABLE: Final = 1
 NFTA_SET_ELEM_LIST_SET: Final = 2
 NFTA_SET_ELEM_LIST_ELEMENTS: Final = 3
@@ -528,6 +533,7 @@ class NftNetlink:
             NFT_MSG_GETCHAIN: "get chain",
             NFT_MSG_GETGEN: "get generation",
             NFT_MSG_GETSETELEM: "get elements",
+            NFT_MSG_GETSET: "get sets",
         }.get(request, "get")
         sock.send(self._header(msg_type, flags, len(payload), seq, family) + payload)
         while True:
@@ -593,6 +599,25 @@ class NftNetlink:
             table = _attr_string(attrs, 0, len(attrs), NFTA_CHAIN_TABLE)
             name = _attr_string(attrs, 0, len(attrs), NFTA_CHAIN_NAME)
             if table is not None and name is not None:
+                found.setdefault(table, []).append(name)
+        return found
+
+    def sets_by_table(self) -> dict[str, list[str]]:
+        """The named sets (not maps, not anonymous sets) of this client's family, per table,
+        from one dump: nft 1.0.6 `list sets` first fetches every element of every set."""
+        found: dict[str, list[str]] = {}
+        for _, attrs in self._get(
+            NFT_MSG_GETSET, NFT_MSG_NEWSET, NLM_F_REQUEST | NLM_F_DUMP, self.family
+        ):
+            table = _attr_string(attrs, 0, len(attrs), NFTA_SET_TABLE)
+            name = _attr_string(attrs, 0, len(attrs), NFTA_SET_NAME)
+            raw = _attr_bytes(attrs, 0, len(attrs), NFTA_SET_FLAGS)
+            flags = struct.unpack("!I", raw)[0] if raw is not None and len(raw) == 4 else 0
+            if (
+                table is not None
+                and name is not None
+                and not flags & (NFT_SET_ANONYMOUS | NFT_SET_MAP)
+            ):
                 found.setdefault(table, []).append(name)
         return found
 
