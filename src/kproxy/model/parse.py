@@ -434,39 +434,86 @@ def parse_endpoint_slice(obj: dict[str, Any]) -> ParsedSlice:
             )
         )
 
-    endpoints: list[ParsedEndpoint] = []
-    for i, raw in enumerate(_list(obj.get("endpoints"), "endpoints")):
-        path = f"endpoints[{i}]"
-        ep = _mapping(raw, path)
-        addrs = _list(ep.get("addresses"), f"{path}.addresses")
-        if not addrs:
-            raise InvalidObject(f"{path}.addresses", "required field is missing")
-        # Upstream uses only the first address of an endpoint.
-        ip = _ip_text(addrs[0], f"{path}.addresses[0]")
-        if not _is_v4(ip):
-            raise InvalidObject(f"{path}.addresses[0]", f"Invalid value: {addrs[0]!r}: not IPv4")
-        cond = _mapping(ep.get("conditions"), f"{path}.conditions")
-        hints = _mapping(ep.get("hints"), f"{path}.hints")
-        endpoints.append(
-            ParsedEndpoint(
-                ip=ip,
-                # A handful of node and zone names repeat over every endpoint of a cluster.
-                node_name=sys.intern(_str(ep.get("nodeName"), f"{path}.nodeName")),
-                zone=sys.intern(_str(ep.get("zone"), f"{path}.zone")),
-                ready=_condition(cond, "ready", True, path),
-                serving=_condition(cond, "serving", True, path),
-                terminating=_condition(cond, "terminating", False, path),
-                zone_hints=_hint_names(hints, "forZones", path),
-                node_hints=_hint_names(hints, "forNodes", path),
-            )
-        )
+    endpoints = tuple(
+        _plain_endpoint(raw) or _checked_endpoint(raw, f"endpoints[{i}]")
+        for i, raw in enumerate(_list(obj.get("endpoints"), "endpoints"))
+    )
     return ParsedSlice(
         namespace=namespace,
         name=name,
         service=service,
         ports=tuple(ports),
-        endpoints=tuple(endpoints),
+        endpoints=endpoints,
         trigger_time=_trigger_time(annotations.get(TRIGGER_TIME_ANNOTATION)),
+    )
+
+
+# A dotted quad already in canonical form (no leading zeros, each octet at most 255).
+_CANONICAL_IPV4 = re.compile(
+    r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+)
+
+
+def _plain_endpoint(raw: Any) -> ParsedEndpoint | None:
+    """The endpoint in its common shape (canonical IPv4, string names, boolean conditions,
+    no hints) without building a field path per check; None sends anything else to
+    _checked_endpoint, which gives the same result or names the bad field. A cluster's
+    endpoints are most of what a node parses."""
+    if type(raw) is not dict or "hints" in raw:
+        return None
+    addrs = raw.get("addresses")
+    if type(addrs) is not list or not addrs:
+        return None
+    ip = addrs[0]
+    if type(ip) is not str or _CANONICAL_IPV4.fullmatch(ip) is None:
+        return None
+    node = raw.get("nodeName", "")
+    zone = raw.get("zone", "")
+    if type(node) is not str or type(zone) is not str:
+        return None
+    cond = raw.get("conditions", _NO_CONDITIONS)
+    if type(cond) is not dict:
+        return None
+    ready, serving, terminating = (
+        cond.get("ready", True),
+        cond.get("serving", True),
+        cond.get("terminating", False),
+    )
+    if type(ready) is not bool or type(serving) is not bool or type(terminating) is not bool:
+        return None
+    return ParsedEndpoint(
+        ip=ip,
+        node_name=sys.intern(node),
+        zone=sys.intern(zone),
+        ready=ready,
+        serving=serving,
+        terminating=terminating,
+        zone_hints=_NO_HINTS,
+        node_hints=_NO_HINTS,
+    )
+
+
+def _checked_endpoint(raw: Any, path: str) -> ParsedEndpoint:
+    ep = _mapping(raw, path)
+    addrs = _list(ep.get("addresses"), f"{path}.addresses")
+    if not addrs:
+        raise InvalidObject(f"{path}.addresses", "required field is missing")
+    # Upstream uses only the first address of an endpoint.
+    ip = _ip_text(addrs[0], f"{path}.addresses[0]")
+    if not _is_v4(ip):
+        raise InvalidObject(f"{path}.addresses[0]", f"Invalid value: {addrs[0]!r}: not IPv4")
+    cond = _mapping(ep.get("conditions"), f"{path}.conditions")
+    hints = _mapping(ep.get("hints"), f"{path}.hints")
+    return ParsedEndpoint(
+        ip=ip,
+        # A handful of node and zone names repeat over every endpoint of a cluster.
+        node_name=sys.intern(_str(ep.get("nodeName"), f"{path}.nodeName")),
+        zone=sys.intern(_str(ep.get("zone"), f"{path}.zone")),
+        ready=_condition(cond, "ready", True, path),
+        serving=_condition(cond, "serving", True, path),
+        terminating=_condition(cond, "terminating", False, path),
+        zone_hints=_hint_names(hints, "forZones", path),
+        node_hints=_hint_names(hints, "forNodes", path),
     )
 
 
@@ -480,6 +527,7 @@ def _condition(cond: dict[str, Any], key: str, default: bool, path: str) -> bool
 
 
 _NO_HINTS: frozenset[str] = frozenset()
+_NO_CONDITIONS: dict[str, Any] = {}
 
 
 def _hint_names(hints: dict[str, Any], key: str, path: str) -> frozenset[str]:
