@@ -126,3 +126,37 @@ def test_startup_removes_other_modes_leftovers(lab: Lab, tmp_path: Path) -> None
         )
     finally:
         proxy.stop()
+
+
+def test_a_flavour_without_tables_costs_one_look(tmp_path: Path) -> None:
+    """No iptables table of a flavour: the scan reads no save of it (a save of a big
+    ruleset costs seconds, and legacy's would create the tables); one table: it does."""
+    import subprocess
+    import uuid
+
+    from kproxy.dataplane.kernel_dump import KernelDump
+
+    ns = f"kp-lo-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        dump = KernelDump(ns, state_dir=tmp_path)
+        assert dump.iptables("nft") is None and dump.iptables("legacy") is None
+        names = subprocess.run(
+            ["ip", "netns", "exec", ns, "cat", "/proc/net/ip_tables_names"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert names.stdout.split() == []  # the look created no legacy table
+        subprocess.run(
+            ["ip", "netns", "exec", ns, "iptables-nft", "-t", "nat", "-N", "KUBE-SERVICES"],
+            check=True,
+        )
+        assert dump.iptables("nft") is not None and dump.iptables("legacy") is None
+        subprocess.run(
+            ["ip", "netns", "exec", ns, "iptables-legacy", "-t", "nat", "-N", "KUBE-SERVICES"],
+            check=True,
+        )
+        assert dump.iptables("legacy") is not None
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kproxy.dataplane.nftables.cleanup import TableBackend
 
 IPTABLES_FLAVOURS = ("nft", "legacy")
+IPTABLES_TABLES = frozenset(("filter", "nat", "mangle", "raw", "security"))
 
 
 class KernelDump:
@@ -36,10 +37,28 @@ class KernelDump:
         )
 
     def iptables(self, flavour: str) -> IptablesBackend | None:
-        """The backend to read (and remove through); None: no kube-proxy chain is there."""
+        """The backend to read (and remove through); None: no kube-proxy chain is there,
+        because the flavour has no table at all (then a scan costs one cheap look)."""
         from kproxy.dataplane.iptables.backend import IptablesBackend
 
+        if not self.iptables_tables_exist(flavour):
+            return None
         return IptablesBackend(flavour, netns=self.netns)
+
+    def iptables_tables_exist(self, flavour: str) -> bool:
+        """Whether the flavour has any table here; True when that cannot be told. Legacy's
+        tables are named in /proc; iptables-nft's are nf_tables tables of the ip family
+        with iptables' table names, seen in one netlink table listing."""
+        if flavour == "legacy":
+            names = self.run(["cat", "/proc/net/ip_tables_names"])
+            return names.returncode != 0 or bool(names.stdout.split())
+        from kproxy.dataplane.nftables.backend import NftBackend, NftError
+
+        try:
+            tables = NftBackend(netns=self.netns).tables()
+        except (NftError, OSError):
+            return True
+        return any(t.family == "ip" and t.name in IPTABLES_TABLES for t in tables)
 
     def nft_tables(self) -> TableBackend | None:
         """The nftables tables (and their removal); None: no nft here."""
