@@ -451,6 +451,7 @@ def render(
         for p in problems:
             typer.secho(f"kproxy: warning: {p}", err=True, fg=typer.colors.YELLOW)
         snapshot = snapshot_from_objects(objects.values(), _node_name(config))
+        del objects  # the raw objects are not needed past the model: gone before the render
         for rej in snapshot.rejections:
             typer.secho(
                 f"kproxy: warning: skipping invalid {rej}", err=True, fg=typer.colors.YELLOW
