@@ -1,11 +1,20 @@
 """What every command's package shares: how a command ends on a user's mistake (one red
-line on stderr and an exit code, never a traceback), and the options declared alike."""
+line on stderr and an exit code, never a traceback), and the options declared alike.
+
+Two kinds of usage error, both exit code 2: a value that is wrong on its own (not an IP, a
+negative timeout) is click's "Invalid value for '--flag': ..." from a `checked` option,
+before the command runs; a mistake only the command can see (a config file's problems, a
+missing file) is `fail`'s "kproxy: error: ...".
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
+
+from kproxy.text import one_line
 
 
 class UsageError(Exception):
@@ -16,6 +25,24 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     """Print `kproxy: error: message`; the caller raises the returned Exit (2: usage)."""
     typer.secho(f"kproxy: error: {message}", err=True, fg=typer.colors.RED)
     return typer.Exit(code)
+
+
+def checked(parse: Callable[[Any], object]) -> Callable[[Any], Any]:
+    """A typer option callback checking each given value with `parse` (a check from
+    kproxy.config, say), whose ValueError becomes click's usage error naming the option."""
+
+    def callback(param: typer.CallbackParam, value: Any) -> Any:
+        if value is None:
+            # What click holds for an option not given (typer converts it afterwards).
+            return () if param.multiple else None
+        for item in value if param.multiple else [value]:
+            try:
+                parse(item)
+            except ValueError as err:
+                raise typer.BadParameter(one_line(err)) from None
+        return value
+
+    return callback
 
 
 HostOpt = Annotated[

@@ -13,6 +13,7 @@ import typer
 from kproxy.cli_common import UsageError, fail
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.ops.inputs import ops_inputs
+from kproxy.text import one_line
 
 
 def register(app: typer.Typer) -> None:
@@ -90,9 +91,10 @@ def status_command(
         f"pending changes: {'yes' if st.get('pending') else 'no'}",
         f"invalid objects: {st.get('invalid_objects')}",
     ]
-    lines += [f"  - {r}" for r in st.get("rejections", [])[:20]]
+    # Rejections and errors quote object names and file contents: one line each.
+    lines += [f"  - {one_line(r)}" for r in st.get("rejections", [])[:20]]
     if st.get("last_error"):
-        lines.append(f"last error:      {st['last_error']}")
+        lines.append(f"last error:      {one_line(st['last_error'])}")
     typer.echo("\n".join(lines))
     raise typer.Exit(0 if running else 1)
 

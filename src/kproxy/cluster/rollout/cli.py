@@ -567,8 +567,9 @@ def run_command(
     from kproxy.cluster.rollout.controller import RolloutController
     from kproxy.cluster.rollout.metrics import RolloutMetrics
     from kproxy.sources.clientsettings import ClientConfigError
+    from kproxy.text import log_to_stderr
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    log_to_stderr(logging.INFO, "%(asctime)s %(name)s %(message)s")
     metrics = RolloutMetrics()
     if metrics_address:
         from prometheus_client import start_http_server
