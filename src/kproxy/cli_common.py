@@ -39,7 +39,9 @@ def checked(parse: Callable[[Any], object]) -> Callable[[Any], Any]:
             try:
                 parse(item)
             except ValueError as err:
-                raise typer.BadParameter(one_line(err)) from None
+                # The checks quote values with repr(); anything else is made one line here.
+                why = str(err)
+                raise typer.BadParameter(why if why.isprintable() else one_line(why)) from None
         return value
 
     return callback

@@ -291,7 +291,7 @@ def run(
     for name in ("logtostderr", "alsologtostderr"):
         extra.pop(name, None)
     if not (klog_v.isascii() and klog_v.isdigit()):
-        raise fail(f"--v: {one_line(repr(klog_v))} is not a log level (0, 1, 2, ...)")
+        raise fail(f"--v: {klog_v!r} is not a log level (0, 1, 2, ...)")
     setup_logging(max(verbose, int(klog_v)))
     from kproxy.memory import use_single_arena
 

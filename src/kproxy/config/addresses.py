@@ -73,7 +73,7 @@ def parse_port(text: str, *, zero: bool = False) -> int:
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
-    """"IP:PORT" ("[::1]:10249" for IPv6); ValueError naming the part that is wrong."""
+    """ "IP:PORT" ("[::1]:10249" for IPv6); ValueError naming the part that is wrong."""
     parts = split_host_port(text)
     if parts is None:
         raise ValueError(f"{text!r} is not IP:PORT (e.g. 127.0.0.1:10249)")

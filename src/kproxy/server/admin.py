@@ -179,7 +179,7 @@ def _answer(handlers: dict[str, Handler], request: dict[str, Any]) -> dict[str, 
     op = request.get("op")
     handler = handlers.get(op) if isinstance(op, str) else None
     if handler is None:
-        shown = one_line(repr(op), limit=80)
+        shown = repr(op)[:80]  # repr: printable, one line
         return {"ok": False, "error": f"unknown op {shown}; known: {', '.join(sorted(handlers))}"}
     try:
         return handler(request)
