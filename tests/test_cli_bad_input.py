@@ -45,7 +45,7 @@ def kproxy(
         (["--healthz-port=70000"], "--healthz-port: Invalid value: '70000': must be a port"),
         (["--kube-api-qps=nan"], "--kube-api-qps: Invalid value: 'nan': must be a finite"),
         (["--iptables-masquerade-bit", "40"], "--iptables-masquerade-bit: iptables.masqueradeBit"),
-        (["--hostname-override", "bad\nname"], "--hostname-override: hostnameOverride: Invalid"),
+        (["--hostname-override", "bad\nname"], "'--hostname-override': 'bad\\nname' is not a Node"),
         (
             ["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "br\n-A X"],
             "--pod-bridge-interface: detectLocal.bridgeInterface: Invalid value: 'br\\n-A X'",

@@ -47,7 +47,22 @@ def checked(parse: Callable[[Any], object]) -> Callable[[Any], Any]:
     return callback
 
 
+def node_name(text: str) -> str:
+    """--hostname-override: a Node's name once trimmed and lowercased, as upstream takes it
+    (empty: not given)."""
+    from kproxy.model.parse import is_dns_subdomain
+
+    name = text.strip().lower()
+    if text and not is_dns_subdomain(name):
+        raise ValueError(f"{text!r} is not a Node's name (RFC 1123 subdomain, e.g. node-1)")
+    return name
+
+
 HostOpt = Annotated[
     str | None,
-    typer.Option("--hostname-override", help="The node name (default: this machine's hostname)."),
+    typer.Option(
+        "--hostname-override",
+        help="The node name (default: this machine's hostname).",
+        callback=checked(node_name),
+    ),
 ]

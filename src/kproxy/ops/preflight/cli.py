@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kproxy.cli_common import UsageError, fail
+from kproxy.cli_common import HostOpt, UsageError, fail
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.ops.inputs import OpsInputs, ops_inputs, with_running_proxy
 from kproxy.ops.preflight.findings import EXIT_USAGE
@@ -76,9 +76,7 @@ def preflight_command(
         Path | None,
         typer.Option("--backup", help="Write the verified backup here (default: in --state-dir)."),
     ] = None,
-    hostname: Annotated[
-        str | None, typer.Option("--hostname-override", help="The node name.")
-    ] = None,
+    hostname: HostOpt = None,
 ) -> None:
     """Check whether a switch to --to is safe on this node; explain what is not and how to fix it.
 
