@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 from pathlib import Path
@@ -250,9 +251,15 @@ class Daemon:
         to = request.get("to")
         if not isinstance(to, str):
             return {"ok": False, "error": "switch needs 'to': a mode name or 'previous'"}
+        # ValueError: answered "bad request: ..." by the admin endpoint.
         timeout = request.get("timeout", 60.0)
-        timeout = float(timeout) if isinstance(timeout, int | float) else 60.0
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise ValueError("'timeout' must be a number of seconds")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"'timeout' must be more than 0 s and finite, not {timeout}")
         before = request.get("before")
+        if before is not None and not isinstance(before, str):
+            raise ValueError("'before' must be the path of a backup file")
         # The snapshot a switch programs comes from the source's first delivery.
         if not self.first_sync_done.wait(timeout):
             return {

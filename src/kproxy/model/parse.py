@@ -226,6 +226,17 @@ _SVC_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # IANA_SVC_NAME, 
 _PORT_NUMBER = re.compile(r"[0-9]{1,5}")
 
 
+def is_dns_label(value: str) -> bool:
+    """A namespace's, a Service's or a port's name: RFC 1123 label, lowercase."""
+    return _DNS_LABEL.fullmatch(value) is not None
+
+
+def is_dns_subdomain(value: str) -> bool:
+    """A Node's or a custom resource's name: dot-separated RFC 1123 labels, lowercase, at
+    most 253 characters."""
+    return len(value) <= 253 and all(is_dns_label(part) for part in value.split("."))
+
+
 def _dns_label(value: str, path: str) -> str:
     if not _DNS_LABEL.fullmatch(value):
         raise InvalidObject(

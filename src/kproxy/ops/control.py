@@ -10,9 +10,12 @@ from typing import Annotated
 
 import typer
 
-from kproxy.cli_common import UsageError, fail
+from kproxy.cli_common import UsageError, checked, fail
+from kproxy.config.durations import check_seconds
 from kproxy.defaults import DEFAULT_STATE_DIR
+from kproxy.modes import MODES
 from kproxy.ops.inputs import ops_inputs
+from kproxy.text import one_line
 
 
 def register(app: typer.Typer) -> None:
@@ -90,9 +93,10 @@ def status_command(
         f"pending changes: {'yes' if st.get('pending') else 'no'}",
         f"invalid objects: {st.get('invalid_objects')}",
     ]
-    lines += [f"  - {r}" for r in st.get("rejections", [])[:20]]
+    # Rejections and errors quote object names and file contents: one line each.
+    lines += [f"  - {one_line(r)}" for r in st.get("rejections", [])[:20]]
     if st.get("last_error"):
-        lines.append(f"last error:      {st['last_error']}")
+        lines.append(f"last error:      {one_line(st['last_error'])}")
     typer.echo("\n".join(lines))
     raise typer.Exit(0 if running else 1)
 
@@ -100,12 +104,28 @@ def status_command(
 # --- switch --------------------------------------------------------------------------------------
 
 
+def _mode_or_previous(to: str) -> str:
+    if to != "previous" and to not in MODES:
+        raise ValueError(f"{to!r} is not a proxy mode ({', '.join(MODES)}) nor 'previous'")
+    return to
+
+
 def switch_command(
     to: Annotated[
-        str, typer.Option("--to", help="The mode to switch to, or 'previous' to roll back.")
+        str,
+        typer.Option(
+            "--to",
+            help="The mode to switch to, or 'previous' to roll back.",
+            callback=checked(_mode_or_previous),
+        ),
     ],
     timeout: Annotated[
-        float, typer.Option("--timeout", help="Give up (and keep the old mode) after S s.")
+        float,
+        typer.Option(
+            "--timeout",
+            help="Give up (and keep the old mode) after S s.",
+            callback=checked(check_seconds),
+        ),
     ] = 60.0,
     state_dir: StateDirOpt = DEFAULT_STATE_DIR,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kproxy.cli_common import UsageError, fail
+from kproxy.cli_common import HostOpt, UsageError, fail
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.ops.inputs import OpsInputs, ops_inputs, with_running_proxy
 from kproxy.ops.preflight.findings import EXIT_USAGE
@@ -27,8 +27,9 @@ def register(app: typer.Typer) -> None:
     app.command("preflight")(preflight_command)
 
 
-def check_mode_name(to: str) -> str:
-    """The target mode, or UsageError with kproxy.config's own message (and its suggestion)."""
+def check_mode_name(to: str, flag: str = "--to") -> str:
+    """The mode given as `flag`, or UsageError with kproxy.config's own message (and its
+    suggestion)."""
     from kproxy.config import MODES, ProxyConfig, validate_config
 
     if to in MODES:
@@ -36,7 +37,7 @@ def check_mode_name(to: str) -> str:
     problems = [p for p in validate_config(ProxyConfig(mode=to)) if p.startswith("mode:")]
     hint = next((p.split("; ", 1)[1] for p in problems if "; did you mean" in p), "")
     raise UsageError(
-        f"--to {to!r} is not a proxy mode (choose from {', '.join(MODES)})"
+        f"{flag} {to!r} is not a proxy mode (choose from {', '.join(MODES)})"
         + (f"; {hint}" if hint else "")
     )
 
@@ -75,9 +76,7 @@ def preflight_command(
         Path | None,
         typer.Option("--backup", help="Write the verified backup here (default: in --state-dir)."),
     ] = None,
-    hostname: Annotated[
-        str | None, typer.Option("--hostname-override", help="The node name.")
-    ] = None,
+    hostname: HostOpt = None,
 ) -> None:
     """Check whether a switch to --to is safe on this node; explain what is not and how to fix it.
 
@@ -96,7 +95,7 @@ def preflight_command(
     try:
         target = check_mode_name(to)
         if current is not None:
-            check_mode_name(current)
+            check_mode_name(current, "--from")
         inputs = with_running_proxy(
             ops_inputs(
                 state_dir=state_dir,
