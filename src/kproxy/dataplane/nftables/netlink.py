@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
+from kproxy.host import netlink_fault
 from kproxy.host.netns import socket_in_netns
 
 NETLINK_NETFILTER: Final = 12
@@ -245,6 +246,8 @@ class NftNetlink:
     def run(self, ops: list[Op]) -> None:
         if not ops:
             return
+        if netlink_fault.CONTROL is not None:
+            netlink_fault.inject("nftables")
         sock = self._socket()
         first = self._seq
         parts = [

@@ -218,6 +218,7 @@ class NftablesDataplane(Dataplane):
         if self._state is None:
             full = True
         stale_removed = self._delete_stale_chains(now)
+        cleanup_failed = stale_removed is None
         if stale_removed is None:
             full = True  # what is stale and what exists is no longer known exactly
             stale_removed = 0
@@ -274,6 +275,7 @@ class NftablesDataplane(Dataplane):
             rules_total={"nftables": total},
             pieces=1,
             kernel_unchanged=proven,
+            cleanup_failures=int(cleanup_failed),
         )
 
     def distrust_kernel(self) -> None:
