@@ -292,10 +292,21 @@ class ModeSwitcher:
             if age is not None and 0 <= age <= BEFORE_MAX_AGE:
                 report.snapshots.append(str(before))
                 return f"{before} (the preflight's verified backup, {age:.0f} s old)"
-        path = self._snapshot_path(report, "before")
-        if path is None:
-            return "no state dir: not kept"
-        self._write_record(path)
+        try:
+            path = self._snapshot_path(report, "before")
+            if path is None:
+                return "no state dir: not kept"
+            try:
+                self._write_record(path)
+            except OSError:
+                path.unlink(missing_ok=True)  # no half record (a full state dir)
+                raise
+        except OSError as err:
+            # The record is what an operator restores from: no switch without it.
+            raise SwitchFailed(
+                f"could not keep the dataplane's snapshot before the switch in the state dir "
+                f"({err}); nothing was changed: free the state dir and try again"
+            ) from err
         report.snapshots.append(str(path))
         return str(path)
 

@@ -598,7 +598,14 @@ def switch_faults(old: str, to: str, backend: str = "nft") -> list[Case]:
             ),
         ]
     else:
+        # The detach is a netlink batch, with nft as its fallback: both fail, and so does
+        # the full sync that would confirm the old mode (nft again), so the new mode stays
+        # beside it until the old one syncs and the leftover cleanup removes it.
         cases += [
-            ("netlink batch fails", "switch: cut-over", lambda f: f.netlink("nftables", "fail")),
+            (
+                "netlink batch and nft -f fail",
+                "switch: cut-over",
+                lambda f: (f.netlink("nftables", "fail"), f.set("nft", "fail", match="-f")),
+            ),
         ]
     return cases
