@@ -87,11 +87,15 @@ def test_state_dir_read_only_or_full(lab4: Lab, tmp_path: Path) -> None:
         rig.stop()
 
 
-def test_kill_9_during_syncs_and_switches(lab4: Lab, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["iptables", "nftables"])
+def test_kill_9_during_syncs_and_switches(lab4: Lab, tmp_path: Path, mode: str) -> None:
+    """nftables: a kill between the flush of a stale endpoint chain and its deletion once
+    left the chain empty, and the restarted proxy reused it for a service that wanted that
+    endpoint back (the service answered nothing until the next full rewrite)."""
     rng = random.Random(0x6B70)
-    rig = FaultRig(lab4, tmp_path, "iptables").start()
+    rig = FaultRig(lab4, tmp_path, mode).start()
     try:
-        outcomes = [rig.kill_case(rng, during) for during in ["sync", "switch"] * 3]
+        outcomes = [rig.kill_case(rng, during) for during in ["sync", "switch"] * 2]
         check(outcomes, rig)
     finally:
         rig.stop()
