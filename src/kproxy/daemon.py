@@ -30,6 +30,7 @@ from kproxy.sources.files import FileSource
 from kproxy.switch import ModeSwitcher
 from kproxy.sync import ProxyLoop
 from kproxy.sysctl import set_sysctl
+from kproxy.text import one_line
 
 if TYPE_CHECKING:  # the agent brings the API client: imported only when it runs
     from kproxy.cluster.agent import ClusterAgent
@@ -113,6 +114,7 @@ class Daemon:
             proxy_healthy=lambda: self.health.report()[0], addresses=lambda: hc_ips
         )
         self.state_dir = state_dir
+        self.state_dir_error: str | None = None
         self.leftovers_removed: list[str] | None = None
         self.leftover_cleaner = LeftoverCleaner(self)
         self.loop = ProxyLoop(
@@ -198,8 +200,8 @@ class Daemon:
                 self.previous_mode = old.mode
                 self.dataplane = now_serving
                 self.loop.set_dataplane(now_serving)
-                if report.leftover_error:
-                    self.leftover_cleaner.again()
+            if report.leftover_error:
+                self.leftover_cleaner.again()
         if not report.ok:
             release_free_heap()  # what the failed attempt built (a success's record does it)
         self.metrics.switched(report.from_mode, report.to_mode, report.ok, report.duration)
@@ -285,10 +287,14 @@ class Daemon:
             "syncs": st.syncs,
             "full_syncs": st.full_syncs,
             "failures": st.failures,
+            "consecutive_failures": st.consecutive_failures,
+            # /healthz's verdict, and why the state dir could not be written (if so).
+            "healthy": self.health.report()[0],
+            "state_dir_error": self.state_dir_error,
             "last_sync": st.last_sync,
             "last_full_sync": st.last_full_sync,
             "last_duration": st.last_duration,
-            "last_error": st.last_error,
+            "last_error": one_line(st.last_error) if st.last_error else None,
             "services": res.services if res else 0,
             "invalid_objects": st.invalid_objects,
             "generation": self.tracker.generation,
@@ -317,8 +323,11 @@ class Daemon:
             tmp = self.state_dir / "status.json.tmp"
             tmp.write_text(json.dumps(self.status(), indent=2) + "\n")
             tmp.replace(self.state_dir / "status.json")
+            self.state_dir_error = None
         except OSError as err:
-            log.warning("could not write status: %s", err)
+            if self.state_dir_error is None:
+                log.warning("could not write status: %s", err)
+            self.state_dir_error = f"could not write status.json: {err}"
 
     def stop(self) -> None:
         if self.agent is not None:  # first: it may be about to ask for a switch

@@ -24,6 +24,7 @@ from kproxy.config.addresses import parse_ip
 from kproxy.dataplane.base import DataplaneUnavailable, check_mode_available
 from kproxy.dataplane.facts import NodeFacts
 from kproxy.defaults import DEFAULT_STATE_DIR
+from kproxy.host.commands import DEFAULT_TOOL_TIMEOUT, set_tool_timeout
 from kproxy.server.admin import AdminBindError, parse_admin_address
 from kproxy.text import log_to_stderr, one_line
 
@@ -285,6 +286,14 @@ def run(
             "admin.token (default: the unix socket only).",
         ),
     ] = None,
+    tool_timeout: Annotated[
+        float,
+        typer.Option(
+            "--tool-timeout",
+            help="Seconds an external tool (iptables-restore, nft, ipset, conntrack, ...) may "
+            "run before it is killed and the sync counts as failed (retried after syncPeriod).",
+        ),
+    ] = DEFAULT_TOOL_TIMEOUT,
     verbose: VerboseOpt = 1,
 ) -> None:
     """Run the proxy in the current network namespace (use `ip netns exec` for a lab node).
@@ -305,6 +314,9 @@ def run(
     if not (klog_v.isascii() and klog_v.isdigit()):
         raise fail(f"--v: {klog_v!r} is not a log level (0, 1, 2, ...)")
     setup_logging(max(verbose, int(klog_v)))
+    if not tool_timeout > 0:
+        raise fail(f"--tool-timeout: {tool_timeout:g} is not a positive number of seconds")
+    set_tool_timeout(tool_timeout)
     from kproxy.memory import use_single_arena
 
     use_single_arena()  # before any thread starts (see kproxy.memory)

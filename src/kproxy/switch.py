@@ -17,6 +17,8 @@ Order (each step timed in the report):
              background after the report (the next switch waits for it)
 Anything failing before the cut-over removes the new mode's state, leaves the old mode
 untouched and deletes the half-open conntrack entries the attempt may have caused (G13).
+A cut-over that fails leaves the old mode serving too (after a full sync of it); state of
+the new mode that cannot be removed goes to the daemon's leftover cleanup.
 Established connections survive the cut-over: conntrack keeps their translation.
 """
 
@@ -83,8 +85,9 @@ class SwitchReport:
     removed_total: int = 0
     removed_by_kind: dict[str, int] = field(default_factory=dict)
     removed_file: str | None = None  # every removed object, one a line
-    # Why the old mode's state could not all be removed after the cut-over (the switch is
-    # done all the same; the daemon's leftover cleanup takes what is left).
+    # Why the state of the mode not serving could not all be removed: the old mode's after
+    # the cut-over (the switch is done all the same), the new mode's after a failure. The
+    # daemon's leftover cleanup takes what is left.
     leftover_error: str | None = None
     snapshots: list[str] = field(default_factory=list)
     duration: float = 0.0
@@ -211,7 +214,14 @@ class ModeSwitcher:
             return report, old
         try:
             cut = True
-            step("cut-over", lambda: self._detach(old))
+            assert new is not None  # programmed and verified above
+            try:
+                step("cut-over", lambda: self._detach(old))
+            except Exception as err:
+                self._undo_cut_over(old, new, snapshot, report, err)
+                report.duration = round(time.monotonic() - started, 4)
+                log.error("switch %s -> %s failed at the cut-over: %s", old.mode, to, report.error)
+                return report, old
             try:
                 step("remove", lambda: self._remove(old, report))
             except Exception as err:
@@ -282,10 +292,21 @@ class ModeSwitcher:
             if age is not None and 0 <= age <= BEFORE_MAX_AGE:
                 report.snapshots.append(str(before))
                 return f"{before} (the preflight's verified backup, {age:.0f} s old)"
-        path = self._snapshot_path(report, "before")
-        if path is None:
-            return "no state dir: not kept"
-        self._write_record(path)
+        try:
+            path = self._snapshot_path(report, "before")
+            if path is None:
+                return "no state dir: not kept"
+            try:
+                self._write_record(path)
+            except OSError:
+                path.unlink(missing_ok=True)  # no half record (a full state dir)
+                raise
+        except OSError as err:
+            # The record is what an operator restores from: no switch without it.
+            raise SwitchFailed(
+                f"could not keep the dataplane's snapshot before the switch in the state dir "
+                f"({err}); nothing was changed: free the state dir and try again"
+            ) from err
         report.snapshots.append(str(path))
         return str(path)
 
@@ -397,6 +418,31 @@ class ModeSwitcher:
         self._reapers = []
         self._stop_reaping = threading.Event()
 
+    def _undo_cut_over(
+        self,
+        old: Dataplane,
+        new: Dataplane,
+        snapshot: Snapshot,
+        report: SwitchReport,
+        err: Exception,
+    ) -> None:
+        """The old mode could not leave the packet path. Its detach is one atomic step, so
+        the old mode most likely still serves; a full sync of it makes sure (it puts back
+        whatever a detach killed after its commit removed) before the new mode goes. If
+        that sync fails too, the new mode stays: it may be the only one serving. Its state
+        is then left to the leftover cleanup after the old mode's next good sync."""
+        report.error = f"cut-over failed: {type(err).__name__}: {err}"
+        try:
+            old.sync(snapshot, full=True)
+        except Exception as sync_err:
+            report.error += f"; {old.mode} could not be synced again either: {sync_err}"
+            report.leftover_error = (
+                f"{new.mode}'s state stays until {old.mode} syncs again (leftover cleanup)"
+            )
+            report.steps.append(Step("roll-back", 0.0, f"{new.mode} left in place"))
+            return
+        self._roll_back(new, snapshot, report)
+
     def _roll_back(self, new: Dataplane | None, snapshot: Snapshot, report: SwitchReport) -> None:
         if new is not None:
             try:
@@ -405,6 +451,8 @@ class ModeSwitcher:
             except Exception as err:  # keep rolling back; report it
                 log.error("could not remove the new mode's state: %s", err)
                 report.error = f"{report.error}; removing {new.mode}'s state also failed: {err}"
+                # The daemon's leftover cleanup takes it after the old mode's next good sync.
+                report.leftover_error = f"{new.mode}'s state not removed: {err}"
         cleared = 0
         vips = {
             ip

@@ -45,6 +45,9 @@ class SyncResult:
     objects: dict[str, int] = field(default_factory=dict)
     # A full sync that found the kernel provably as last written, so it wrote only changes.
     kernel_unchanged: bool = False
+    # Cleanup transactions (stale chain deletions) that failed in this sync, which went on
+    # as a full one: upstream counts them apart from failed syncs.
+    cleanup_failures: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kproxy.defaults import DEFAULT_STATE_DIR
-from kproxy.host.commands import in_netns
+from kproxy.host.commands import in_netns, run_command
 
 if TYPE_CHECKING:
     from kproxy.dataplane.iptables.backend import IptablesBackend
@@ -32,9 +32,7 @@ class KernelDump:
 
     def run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
         """A command inside the namespace."""
-        return subprocess.run(
-            in_netns(argv, self.netns), capture_output=True, text=True, check=False
-        )
+        return run_command(in_netns(argv, self.netns))
 
     def iptables(self, flavour: str) -> IptablesBackend | None:
         """The backend to read (and remove through); None: no kube-proxy chain is there,

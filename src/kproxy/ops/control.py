@@ -88,7 +88,13 @@ def status_command(
         f"({'full' if res.get('full') else 'partial'}); "
         f"last full sync {_age(st.get('last_full_sync'))}",
         f"syncs:           {st.get('syncs')} ({st.get('full_syncs')} full), "
-        f"failures {st.get('failures')}",
+        f"failures {st.get('failures')} ({st.get('consecutive_failures', 0)} in a row now)",
+        "health:          "
+        + (
+            "healthy"
+            if st.get("healthy", True)
+            else "UNHEALTHY: a change has waited longer than 2 x syncPeriod (/healthz: 503)"
+        ),
         f"service ports:   {st.get('services')}; rules owned {res.get('rules_total', {})}",
         f"pending changes: {'yes' if st.get('pending') else 'no'}",
         f"invalid objects: {st.get('invalid_objects')}",
@@ -97,6 +103,8 @@ def status_command(
     lines += [f"  - {one_line(r)}" for r in st.get("rejections", [])[:20]]
     if st.get("last_error"):
         lines.append(f"last error:      {one_line(st['last_error'])}")
+    if st.get("state_dir_error"):
+        lines.append(f"state dir:       {one_line(st['state_dir_error'])}")
     typer.echo("\n".join(lines))
     raise typer.Exit(0 if running else 1)
 

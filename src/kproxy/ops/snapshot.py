@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import platform
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kproxy.host.commands import in_netns
+from kproxy.host.commands import in_netns, run_command
 
 if TYPE_CHECKING:  # the readers load only when a document is read (the daemon writes them)
     from kproxy.ops.inspect.destinations import Programmed
@@ -31,14 +30,7 @@ def _run(
 ) -> tuple[int, str, str]:
     if shutil.which(argv[0]) is None:
         return 127, "", f"{argv[0]} is not installed"
-    proc = subprocess.run(
-        in_netns(argv, netns),
-        input=input_data,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
+    proc = run_command(in_netns(argv, netns), input_data)
     return proc.returncode, proc.stdout, proc.stderr
 
 

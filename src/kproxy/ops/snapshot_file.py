@@ -13,12 +13,11 @@ from __future__ import annotations
 import codecs
 import json
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import IO
 
-from kproxy.host.commands import in_netns
+from kproxy.host.commands import in_netns, run_command
 from kproxy.ops.snapshot import NFT_COMMAND, NFT_TABLES, SECTIONS, conntrack_usage, header
 
 CHUNK = 1 << 20
@@ -30,10 +29,8 @@ def _run_to_file(argv: list[str], netns: str | None) -> tuple[int, IO[bytes], st
     out = tempfile.TemporaryFile()  # noqa: SIM115 (the caller closes it)
     if shutil.which(argv[0]) is None:
         return 127, out, f"{argv[0]} is not installed"
-    proc = subprocess.run(
-        in_netns(argv, netns), stdout=out, stderr=subprocess.PIPE, check=False, timeout=120
-    )
-    return proc.returncode, out, proc.stderr.decode(errors="replace")
+    proc = run_command(in_netns(argv, netns), stdout=out)
+    return proc.returncode, out, proc.stderr
 
 
 def _strip(f: IO[bytes], start: int, end: int) -> tuple[int, int]:

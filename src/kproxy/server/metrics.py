@@ -255,6 +255,8 @@ class ProxyMetrics:
             self.rules_total.labels(table=table, ip_family=fam).set(n)
         for table, n in result.rules_written.items():
             self.rules_last.labels(table=table, ip_family=fam).set(n)
+        if result.cleanup_failures:
+            self.nft_cleanup_failures.labels(ip_family=fam).inc(result.cleanup_failures)
         self.ipvs_virtual_servers.set(result.objects.get("ipvs_virtual_servers", 0))
         self.ipvs_real_servers.set(result.objects.get("ipvs_real_servers", 0))
         internal = external = 0

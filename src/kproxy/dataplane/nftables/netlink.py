@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
+from kproxy.host import netlink_fault
 from kproxy.host.netns import socket_in_netns
 
 NETLINK_NETFILTER: Final = 12
@@ -48,6 +49,8 @@ NFT_MSG_GETTABLE: Final = 1
 NFT_MSG_NEWCHAIN: Final = 3
 NFT_MSG_GETCHAIN: Final = 4
 NFT_MSG_DELCHAIN: Final = 5
+NFT_MSG_NEWRULE: Final = 6
+NFT_MSG_GETRULE: Final = 7
 NFT_MSG_DELRULE: Final = 8
 NFT_MSG_DELSET: Final = 11
 NFT_MSG_NEWSETELEM: Final = 12
@@ -245,6 +248,8 @@ class NftNetlink:
     def run(self, ops: list[Op]) -> None:
         if not ops:
             return
+        if netlink_fault.CONTROL is not None:
+            netlink_fault.inject("nftables")
         sock = self._socket()
         first = self._seq
         parts = [
@@ -314,6 +319,7 @@ class NftNetlink:
             NFT_MSG_GETTABLE: "get table",
             NFT_MSG_GETCHAIN: "get chain",
             NFT_MSG_GETGEN: "get generation",
+            NFT_MSG_GETRULE: "get rule",
         }.get(request, "get")
         sock.send(self._header(msg_type, flags, len(payload), seq, family) + payload)
         while True:
@@ -380,6 +386,19 @@ class NftNetlink:
             name = _attr_string(attrs, 0, len(attrs), NFTA_CHAIN_NAME)
             if table is not None and name is not None:
                 found.setdefault(table, []).append(name)
+        return found
+
+    def chains_with_rules(self, table: str) -> set[str]:
+        """The chains of `table` that hold at least one rule, from one rule dump (the
+        kernel filters it by table)."""
+        found: set[str] = set()
+        payload = _string(NFTA_RULE_TABLE, table)
+        for _, attrs in self._get(
+            NFT_MSG_GETRULE, NFT_MSG_NEWRULE, NLM_F_REQUEST | NLM_F_DUMP, self.family, payload
+        ):
+            name = _attr_string(attrs, 0, len(attrs), NFTA_RULE_CHAIN)
+            if name is not None:
+                found.add(name)
         return found
 
 

@@ -90,6 +90,7 @@ class Backend(Protocol):
     def tables(self) -> list[TableRef]: ...
     def table_exists(self, family: str, name: str) -> bool: ...
     def chains(self, family: str, table: str) -> list[str]: ...
+    def chains_with_rules(self, family: str, table: str) -> set[str] | None: ...
     def sets(self, family: str, table: str) -> list[str]: ...
     def elements(
         self, kind: str, family: str, table: str, name: str
@@ -218,6 +219,7 @@ class NftablesDataplane(Dataplane):
         if self._state is None:
             full = True
         stale_removed = self._delete_stale_chains(now)
+        cleanup_failed = stale_removed is None
         if stale_removed is None:
             full = True  # what is stale and what exists is no longer known exactly
             stale_removed = 0
@@ -274,6 +276,7 @@ class NftablesDataplane(Dataplane):
             rules_total={"nftables": total},
             pieces=1,
             kernel_unchanged=proven,
+            cleanup_failures=int(cleanup_failed),
         )
 
     def distrust_kernel(self) -> None:
@@ -355,13 +358,18 @@ class NftablesDataplane(Dataplane):
         return state, flush
 
     def _reusable_endpoint_chains(self, plan: NftablesPlan, state: TableState) -> set[str]:
-        """Endpoint chains a restarted proxy need not rewrite: they exist, and their affinity
-        set exists exactly when the service wants affinity (upstream's epChainSkipUpdate)."""
+        """Endpoint chains a restarted proxy need not rewrite: they exist with their rules,
+        and their affinity set exists exactly when the service wants affinity (upstream's
+        epChainSkipUpdate). An empty one is a chain a killed proxy had flushed as stale and
+        not yet deleted: reused, it would send the service's traffic nowhere."""
+        filled = self.backend.chains_with_rules(FAMILY, n.TABLE)
+        if filled is None:
+            return set()
         keep: set[str] = set()
         for block in plan.blocks.values():
             wanted_sets = {s.name for s in block.affinity_sets}
             for chain in block.endpoint_chains:
-                if chain not in state.chains:
+                if chain not in state.chains or chain not in filled:
                     continue
                 affinity_set = n.AFFINITY_PREFIX + chain[len(n.ENDPOINT_PREFIX) :]
                 if (affinity_set in wanted_sets) == (affinity_set in state.affinity_sets):
