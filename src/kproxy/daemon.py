@@ -410,6 +410,7 @@ class LeftoverCleaner:
             d.dataplane.mode,
             iptables_flavour=d.dataplane.iptables_flavour,
             state_dir=d.state_dir,
+            nftables_layout=d.dataplane.nftables_layout,
         )
         release_free_heap()  # the scan read whole rule dumps
         d.leftovers_removed = [str(o) for o in removed]
