@@ -501,7 +501,9 @@ def test_compact_list_reads_endpoints_from_the_slot_maps() -> None:
     assert "table ip kproxy-compact" in dp.detail
     web = dp.server("tcp", "10.96.0.10", 80)
     assert web is not None and web.kind == "ClusterIP" and web.scheduler == "numgen"
-    assert web.chain == "dnat/internal/3" and web.service == ""  # shared chains name no service
+    # the shared chain names no service: the map element's comment does
+    assert web.chain == "dnat/internal/3" and web.service == "default/web:http"
+    assert dp.service_names == list_services(source=nft()).dataplanes[0].service_names
     assert [rs.addr for rs in web.endpoints] == [f"{ip}:8080" for ip in PODS]
     assert [rs.chain for rs in web.endpoints] == [
         f"dnat/internal/3 @service-endpoints[{i}]" for i in range(3)
@@ -530,7 +532,7 @@ def test_compact_destinations_are_the_upstream_layouts() -> None:
 
     got = programmed(compact())
     assert list(got) == ["nftables-compact"]
-    assert set(got["nftables-compact"]) == set(programmed(nft())["nftables"])
+    assert got["nftables-compact"] == programmed(nft())["nftables"]  # names included
     assert missing_destinations(snapshot(), got["nftables-compact"])[0] == []
 
 
@@ -543,7 +545,10 @@ def test_compact_trace_walks_the_shared_chain_and_the_slot_map() -> None:
     assert all(o.masquerade for o in outcomes)
     steps = outcomes[1].steps
     actions = [s.action for s in steps]
-    assert "@service-ips: element 10.96.0.10 . tcp . 80 : goto dnat/internal/3" in actions
+    assert (
+        "@service-ips: element 10.96.0.10 . tcp . 80 (default/web:http) : goto dnat/internal/3"
+        in actions
+    )
     (pick,) = [s for s in steps if s.chain == "dnat/internal/3" and "numgen" in s.action]
     assert pick.text.startswith("dnat to ip daddr . meta l4proto . th dport . numgen random mod 3")
     assert pick.action == (
@@ -555,6 +560,7 @@ def test_compact_trace_walks_the_shared_chain_and_the_slot_map() -> None:
     assert loc.dnat == "10.244.0.2:8080" and loc.masquerade is False
     (rej,) = trace(CLIENT, "10.96.0.99", 80, source=compact()).outcomes
     assert rej.verdict == REJECT and rej.service == "default/empty:http"
+    assert {o.service for o in outcomes} == {"default/web:http"}
     (o,) = trace(CLIENT, "10.96.0.12", 80, source=compact()).outcomes
     assert o.dnat == dumps.NFT_COMPACT_AFFINITY_ENDPOINT
 

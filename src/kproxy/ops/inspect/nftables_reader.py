@@ -14,8 +14,8 @@ dataplane "nftables-compact") has the same maps, but their verdicts go to shared
 (`dnat/internal/N`, `dnat/external-local/N/M`, …) whose rules DNAT with
 `… . numgen random mod N [offset K] map @service-endpoints` (NodePorts: @nodeport-endpoints):
 a service's endpoints are the elements of its destination and slots K..K+N-1. Shared
-chains name no service: a compact destination is unnamed unless it has ClientIP affinity
-(which keeps upstream's per-service chains).
+chains name no service: the @service-ips / @service-nodeports elements name it in their
+comment.
 """
 
 from __future__ import annotations
@@ -361,9 +361,10 @@ def _match_set(rule: NftRule) -> str | None:
     return None
 
 
-def service_ip_entries(service_ips: NftSet) -> Iterator[tuple[Destination, str]]:
-    """(destination, chain) of each @service-ips element: ClusterIPs (to service-/local-
-    chains), external and LoadBalancer IPs (to external- chains)."""
+def service_ip_entries(service_ips: NftSet) -> Iterator[tuple[Destination, str, str]]:
+    """(destination, chain, service port) of each @service-ips element: ClusterIPs (to
+    service-/local- chains), external and LoadBalancer IPs (to external- chains); the
+    service port from the element's comment (the compact layout's) or the chain's name."""
     for el in service_ips.elements:
         if len(el.key) != 3:
             continue
@@ -371,7 +372,7 @@ def service_ip_entries(service_ips: NftSet) -> Iterator[tuple[Destination, str]]
         if chain is None:
             continue
         ip, proto, port = (str(p) for p in el.key)
-        yield Destination(ip, proto, int(port)), chain
+        yield Destination(ip, proto, int(port)), chain, el.comment or service_port_of(chain)
 
 
 def destinations(source: KernelSource, *, layout: str = DEFAULT_LAYOUT) -> dict[Destination, str]:
@@ -382,7 +383,7 @@ def destinations(source: KernelSource, *, layout: str = DEFAULT_LAYOUT) -> dict[
     service_ips = parse_set(text, SERVICE_IPS, table=TABLES[layout]) if text is not None else None
     if service_ips is None:
         return {}
-    return {dest: service_port_of(chain) for dest, chain in service_ip_entries(service_ips)}
+    return {dest: name for dest, _chain, name in service_ip_entries(service_ips)}
 
 
 @dataclass(frozen=True)
@@ -481,15 +482,13 @@ class NftablesView:
         found: dict[tuple[str, str, int], VirtualServer] = {}
         firewalled = {tuple(str(p) for p in e.key): e for e in self._set(FIREWALL_IPS).elements}
         cluster_ips = {str(e.key[0]) for e in self._set(CLUSTER_IPS).elements}
-        for dest, chain in service_ip_entries(self._set(SERVICE_IPS)):
+        for dest, chain, name in service_ip_entries(self._set(SERVICE_IPS)):
             ip, proto, port = dest.ip, dest.proto, str(dest.port)
             if chain.startswith(("service-", "local-", SHARED_PREFIX + "internal/")):
                 kind = CLUSTER_IP
             else:
                 kind = LOAD_BALANCER if (ip, proto, port) in firewalled else EXTERNAL
-            vs = VirtualServer(
-                proto, ip, dest.port, service=service_port_of(chain), kind=kind, chain=chain
-            )
+            vs = VirtualServer(proto, ip, dest.port, service=name, kind=kind, chain=chain)
             self._resolve(vs, chain, set())
             fw = firewalled.get((ip, proto, port))
             if fw is not None:
@@ -508,7 +507,7 @@ class NftablesView:
                     proto,
                     addr,
                     int(port),
-                    service=service_port_of(chain),
+                    service=el.comment or service_port_of(chain),
                     kind=NODE_PORT,
                     chain=chain,
                 )
