@@ -364,7 +364,8 @@ def _match_set(rule: NftRule) -> str | None:
 def service_ip_entries(service_ips: NftSet) -> Iterator[tuple[Destination, str, str]]:
     """(destination, chain, service port) of each @service-ips element: ClusterIPs (to
     service-/local- chains), external and LoadBalancer IPs (to external- chains); the
-    service port from the element's comment (the compact layout's) or the chain's name."""
+    service port from the chain's name, or (the compact layout's shared chains name none)
+    the element's comment."""
     for el in service_ips.elements:
         if len(el.key) != 3:
             continue
@@ -372,7 +373,7 @@ def service_ip_entries(service_ips: NftSet) -> Iterator[tuple[Destination, str, 
         if chain is None:
             continue
         ip, proto, port = (str(p) for p in el.key)
-        yield Destination(ip, proto, int(port)), chain, el.comment or service_port_of(chain)
+        yield Destination(ip, proto, int(port)), chain, service_port_of(chain) or el.comment or ""
 
 
 def destinations(source: KernelSource, *, layout: str = DEFAULT_LAYOUT) -> dict[Destination, str]:
@@ -507,7 +508,7 @@ class NftablesView:
                     proto,
                     addr,
                     int(port),
-                    service=el.comment or service_port_of(chain),
+                    service=service_port_of(chain) or el.comment or "",
                     kind=NODE_PORT,
                     chain=chain,
                 )
