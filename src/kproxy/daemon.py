@@ -75,7 +75,14 @@ class Daemon:
         apply_conntrack_config(config)
         apply_oom_score(config.oom_score_adj)
 
-        def make(mode: str) -> Dataplane:
+        # nftables mode's layout when a switch names none (the one this kproxy was started
+        # with); a switch may name the other (dataplane/nftables/layouts.py).
+        self.nftables_layout = nftables_layout
+
+        def make(target: str) -> Dataplane:
+            from kproxy.dataplane.nftables.layouts import parse_target
+
+            mode, layout = parse_target(target)
             return create_dataplane(
                 mode,
                 options=rule_options(self.config.model_copy(update={"mode": mode})),
@@ -83,7 +90,7 @@ class Daemon:
                 iptables_backend_choice=iptables_backend,
                 state_dir=state_dir,
                 port_range=config.port_range,
-                nftables_layout=nftables_layout,
+                nftables_layout=layout or nftables_layout,
             )[0]
 
         self.dataplane, facts = create_dataplane(
@@ -97,6 +104,7 @@ class Daemon:
         )
         self.switcher = ModeSwitcher(make_dataplane=make, state_dir=state_dir)
         self.previous_mode: str | None = None
+        self.previous_layout: str | None = None  # nftables mode's, when previous_mode is
         self.last_switch: dict[str, object] | None = None
         self.first_sync_done = threading.Event()
         log.info("node %s: node IPs %s", node_name, ", ".join(facts.node_ips) or "none")
@@ -182,29 +190,38 @@ class Daemon:
         return self.dataplane.mode
 
     def switch(
-        self, to: str, timeout: float = 60.0, before: Path | None = None
+        self,
+        to: str,
+        timeout: float = 60.0,
+        before: Path | None = None,
+        nftables_layout: str | None = None,
     ) -> dict[str, object]:
         """Switch the running proxy to another mode (see kproxy.switch); returns the report.
-        before: the preflight's fresh backup of the node, kept as the "before" record."""
+        before: the preflight's fresh backup of the node, kept as the "before" record.
+        nftables_layout: to nftables mode in this layout (default: the one kproxy was
+        started with), or between the layouts."""
         if to == "previous":
             if self.previous_mode is None:
                 return {"ok": False, "error": "no previous mode: this kproxy has not switched yet"}
-            to = self.previous_mode
+            to, nftables_layout = self.previous_mode, self.previous_layout
+        if to == "nftables":
+            nftables_layout = nftables_layout or self.nftables_layout
         with self.loop.exclusive():
             old = self.dataplane
             snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
             report, now_serving = self.switcher.switch(
-                old, snapshot, to, timeout=timeout, before=before
+                old, snapshot, to, timeout=timeout, before=before, layout=nftables_layout
             )
             if report.ok:
                 self.previous_mode = old.mode
+                self.previous_layout = old.nftables_layout
                 self.dataplane = now_serving
                 self.loop.set_dataplane(now_serving)
             if report.leftover_error:
                 self.leftover_cleaner.again()
         if not report.ok:
             release_free_heap()  # what the failed attempt built (a success's record does it)
-        self.metrics.switched(report.from_mode, report.to_mode, report.ok, report.duration)
+        self.metrics.switched(*report.names, report.ok, report.duration)
         self.last_switch = report.to_dict()
         self.write_status()
         self.loop.runner.run()  # changes that arrived during the switch
@@ -262,6 +279,16 @@ class Daemon:
         before = request.get("before")
         if before is not None and not isinstance(before, str):
             raise ValueError("'before' must be the path of a backup file")
+        layout = request.get("nftables_layout")
+        if layout is not None:
+            from kproxy.dataplane.nftables.layouts import LAYOUTS
+
+            if layout not in LAYOUTS or to not in ("nftables", "previous"):
+                return {
+                    "ok": False,
+                    "error": f"'nftables_layout' must be one of {', '.join(LAYOUTS)}, "
+                    "with 'to': nftables",
+                }
         # The snapshot a switch programs comes from the source's first delivery.
         if not self.first_sync_done.wait(timeout):
             return {
@@ -270,7 +297,10 @@ class Daemon:
                 f" {timeout:.0f} s; nothing was changed, try again",
             }
         return self.switch(
-            to, timeout, Path(before) if isinstance(before, str) and before else None
+            to,
+            timeout,
+            Path(before) if isinstance(before, str) and before else None,
+            nftables_layout=layout if isinstance(layout, str) else None,
         )
 
     def _sync_request(self, _: dict[str, object]) -> dict[str, object]:
@@ -282,6 +312,7 @@ class Daemon:
         res = st.last_result
         return {
             "mode": self.dataplane.mode,
+            "nftables_layout": self.dataplane.nftables_layout,  # None in other modes
             "node": self.node_name,
             "pid": os.getpid(),
             "syncs": st.syncs,
@@ -303,6 +334,7 @@ class Daemon:
             "conntrack_deleted": st.conntrack_deleted,
             "leftovers_removed": self.leftovers_removed,
             "previous_mode": self.previous_mode,
+            "previous_nftables_layout": self.previous_layout,
             "last_switch": self.last_switch,
             # The API source's per-resource resourceVersion, lists, watches, current error.
             "source": self.source.state() if hasattr(self.source, "state") else None,
@@ -426,6 +458,7 @@ class LeftoverCleaner:
             d.dataplane.mode,
             iptables_flavour=d.dataplane.iptables_flavour,
             state_dir=d.state_dir,
+            nftables_layout=d.dataplane.nftables_layout,
         )
         release_free_heap()  # the scan read whole rule dumps
         d.leftovers_removed = [str(o) for o in removed]

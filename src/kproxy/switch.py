@@ -78,6 +78,9 @@ REMOVED_IN_REPORT = 100
 class SwitchReport:
     from_mode: str
     to_mode: str
+    # nftables mode's layouts on either side (None for other modes; layouts.py)
+    from_layout: str | None = None
+    to_layout: str | None = None
     ok: bool = False
     error: str | None = None
     steps: list[Step] = field(default_factory=list)
@@ -95,6 +98,15 @@ class SwitchReport:
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
+    @property
+    def names(self) -> tuple[str, str]:
+        """The two sides as one word each ("nftables-compact"; a mode otherwise)."""
+        from kproxy.dataplane.nftables.layouts import target_name
+
+        return target_name(self.from_mode, self.from_layout), target_name(
+            self.to_mode, self.to_layout
+        )
+
 
 class SwitchFailed(Exception):
     """A step failed; the message says which and why."""
@@ -102,8 +114,9 @@ class SwitchFailed(Exception):
 
 def plane_name(dp: Dataplane) -> str:
     """The dataplane's name among the readers' (ops.inspect.readers)."""
-    flavour = dp.iptables_flavour
-    return f"{dp.mode}-{flavour}" if dp.mode in ("iptables", "userspace") and flavour else dp.mode
+    from kproxy.dataplane.registry import dataplane_name
+
+    return dataplane_name(dp)
 
 
 def probe(ip: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
@@ -134,7 +147,7 @@ class ModeSwitcher:
     def __init__(
         self,
         *,
-        make_dataplane: Callable[[str], Dataplane],
+        make_dataplane: Callable[[str], Dataplane],  # by layouts.target_name()
         state_dir: Path | None,
         prober: Callable[[str, int], str | None] = probe,
         snapshotter: Callable[[], dict[str, object]] | None = None,
@@ -162,12 +175,20 @@ class ModeSwitcher:
         *,
         timeout: float,
         before: Path | None = None,
+        layout: str | None = None,
     ) -> tuple[SwitchReport, Dataplane]:
         """Returns the report and the dataplane now in use (the new one only on success).
         before: a snapshot of the node taken just now (preflight's backup), kept instead of
-        reading the dataplane again."""
+        reading the dataplane again. layout: nftables mode's layout to switch to (between
+        the layouts of nftables mode too: each has its own table)."""
         self.wait_records()  # the previous switch's after-record reads the kernel
-        report = SwitchReport(from_mode=old.mode, to_mode=to)
+        report = SwitchReport(
+            from_mode=old.mode,
+            to_mode=to,
+            from_layout=old.nftables_layout,
+            to_layout=layout if to == "nftables" else None,
+        )
+        was, target = report.names
         if to == "ipvs":
             # The new ipvs mode adopts the virtual servers still draining: nobody else may
             # delete them now.
@@ -186,16 +207,16 @@ class ModeSwitcher:
             report.steps.append(Step(name, round(time.monotonic() - t0, 4), detail))
             log.info(
                 "switch %s -> %s: %s done in %.3f s %s",
-                old.mode,
-                to,
+                was,
+                target,
                 name,
                 report.steps[-1].seconds,
                 detail,
             )
 
         try:
-            step("check", lambda: self._check(old, to))
-            new = self._create(to)
+            step("check", lambda: self._check(report))
+            new = self._create(target)
             step("snapshot", lambda: self._snapshot_before(report, before))
             step("anchor", lambda: f"conntrack anchor ({anchor.install()})")
             step("program", lambda: self._program(new, snapshot))
@@ -208,9 +229,7 @@ class ModeSwitcher:
             self._roll_back(new, snapshot, report)
             anchor.remove()
             report.duration = round(time.monotonic() - started, 4)
-            log.error(
-                "switch %s -> %s failed, %s is still serving: %s", old.mode, to, old.mode, err
-            )
+            log.error("switch %s -> %s failed, %s is still serving: %s", was, target, was, err)
             return report, old
         try:
             cut = True
@@ -231,10 +250,10 @@ class ModeSwitcher:
                 log.error(
                     "switch %s -> %s: %s serves, but %s's state could not all be removed "
                     "(left to the leftover cleanup): %s",
-                    old.mode,
-                    to,
-                    to,
-                    old.mode,
+                    was,
+                    target,
+                    target,
+                    was,
                     err,
                 )
         finally:
@@ -243,7 +262,7 @@ class ModeSwitcher:
         # The switch's duration ends when the old mode's state is gone; the record of the
         # result that follows is not part of it (it is a step of its own in the report).
         report.duration = round(time.monotonic() - started, 4)
-        log.info("switched %s -> %s in %.3f s", old.mode, to, report.duration)
+        log.info("switched %s -> %s in %.3f s", was, target, report.duration)
         step("snapshot-after", lambda: self._record_after(report))
         return report, new
 
@@ -256,12 +275,15 @@ class ModeSwitcher:
 
     # --- steps -------------------------------------------------------------------------------
 
-    def _check(self, old: Dataplane, to: str) -> str:
+    def _check(self, report: SwitchReport) -> str:
+        to = report.to_mode
         if to not in MODES:
             raise SwitchFailed(f"unknown mode {to!r}: valid modes are {', '.join(MODES)}")
-        if to == old.mode:
-            raise SwitchFailed(f"already in {to} mode")
-        return f"{old.mode} -> {to}"
+        was, target = report.names
+        if was == target:
+            layout = f" ({report.to_layout} layout)" if report.to_layout else ""
+            raise SwitchFailed(f"already in {to} mode{layout}")
+        return f"{was} -> {target}"
 
     def _create(self, to: str) -> Dataplane:
         try:
@@ -274,7 +296,8 @@ class ModeSwitcher:
             return None
         self.state_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        return self.state_dir / f"switch-{stamp}-{report.from_mode}-{report.to_mode}-{when}.json"
+        was, target = report.names
+        return self.state_dir / f"switch-{stamp}-{was}-{target}-{when}.json"
 
     def _write_record(self, path: Path) -> None:
         if self.snapshotter is None:

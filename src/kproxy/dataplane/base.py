@@ -120,6 +120,11 @@ class Dataplane:
         """The iptables backend this mode writes with ("nft", "legacy"), if it writes any."""
         return None
 
+    @property
+    def nftables_layout(self) -> str | None:
+        """nftables mode's layout (dataplane/nftables/layouts.py); None in other modes."""
+        return None
+
 
 def check_mode_available(mode: str) -> None:
     if mode not in AVAILABLE_MODES:

@@ -82,7 +82,9 @@ def status_command(
         raise typer.Exit(0 if running else 1)
     res = st.get("last_result") or {}
     lines = [
-        f"mode:            {st.get('mode')}  (node {st.get('node')}, pid {st.get('pid')}, "
+        f"mode:            {st.get('mode')}"
+        + (f" ({st['nftables_layout']} layout)" if st.get("nftables_layout") else "")
+        + f"  (node {st.get('node')}, pid {st.get('pid')}, "
         f"{'running' if running else 'NOT running'})",
         f"last sync:       {_age(st.get('last_sync'))}, took {st.get('last_duration') or 0:.3f} s "
         f"({'full' if res.get('full') else 'partial'}); "
@@ -149,6 +151,15 @@ def switch_command(
     ] = None,
     admin_address: AdminAddressOpt = None,
     token_file: TokenFileOpt = None,
+    nftables_layout: Annotated[
+        str | None,
+        typer.Option(
+            "--nftables-layout",
+            help="With --to nftables: the layout to switch to (upstream or compact; default: "
+            "the one kproxy was started with). Switching between the layouts of nftables "
+            "mode is a switch like any other (each has its own table).",
+        ),
+    ] = None,
 ) -> None:
     """Switch the running kproxy to another proxy mode, live and make-before-break.
 
@@ -159,9 +170,16 @@ def switch_command(
     anything fails before that, the old mode keeps serving untouched and the report says
     why. Exit code 0 on success.
     """
+    from kproxy.dataplane.nftables.layouts import LAYOUTS, target_name
     from kproxy.ops.preflight.cli import print_gate, switch_gate
     from kproxy.server.admin import AdminUnavailable, call
 
+    if nftables_layout is not None and (nftables_layout not in LAYOUTS or to != "nftables"):
+        raise fail(
+            f"--nftables-layout: {nftables_layout!r} is not {' or '.join(LAYOUTS)}"
+            if nftables_layout not in LAYOUTS
+            else "--nftables-layout goes with --to nftables"
+        )
     try:
         inputs = ops_inputs(
             state_dir=state_dir,
@@ -183,6 +201,8 @@ def switch_command(
         raise fail(refusal["error"], code=1)
     try:
         request: dict[str, object] = {"op": "switch", "to": to, "timeout": timeout, "force": force}
+        if nftables_layout is not None:
+            request["nftables_layout"] = nftables_layout
         before = gate.backup_path() if gate is not None else None
         if before is not None:
             request["before"] = before
@@ -198,10 +218,12 @@ def switch_command(
         raise fail(str(report.get("error")), code=1)
     for st in report["steps"]:
         typer.echo(f"  {st['name']:<15} {st['seconds']:8.3f} s  {st['detail']}")
+    was = target_name(str(report["from_mode"]), report.get("from_layout"))
+    target = target_name(str(report["to_mode"]), report.get("to_layout"))
     if report.get("ok"):
         typer.secho(
-            f"switched {report['from_mode']} -> {report['to_mode']} in {report['duration']:.2f} s; "
-            f"{report.get('removed_total', 0)} objects of {report['from_mode']} removed"
+            f"switched {was} -> {target} in {report['duration']:.2f} s; "
+            f"{report.get('removed_total', 0)} objects of {was} removed"
             + (" (FORCED past blocking preflight findings)" if report.get("forced") else ""),
             fg=typer.colors.GREEN,
         )
@@ -209,8 +231,7 @@ def switch_command(
             typer.echo(f"  the removed objects, one a line: {report['removed_file']}")
         raise typer.Exit(0)
     typer.secho(
-        f"switch {report['from_mode']} -> {report['to_mode']} FAILED, "
-        f"{report['from_mode']} is still serving: {report.get('error')}",
+        f"switch {was} -> {target} FAILED, {was} is still serving: {report.get('error')}",
         fg=typer.colors.RED,
         err=True,
     )

@@ -403,6 +403,10 @@ class NftablesDataplane(Dataplane):
             log.warning("could not keep the failed transaction: %s", oserr)
         return data
 
+    @property
+    def nftables_layout(self) -> str:
+        return self.layout
+
     def drifted(self) -> bool:
         """True when the table we programmed is gone (deleted behind our back)."""
         if self._state is None:
@@ -449,14 +453,16 @@ class NftablesDataplane(Dataplane):
     # --- ownership and cleanup ---------------------------------------------------------
 
     def owned(self) -> list[OwnedObject]:
+        """This layout's tables (the other layout's are not this dataplane's: during a
+        switch between the layouts they are the other side's)."""
         from kproxy.dataplane.nftables.cleanup import owned_tables
 
-        return owned_tables(self.backend)
+        return owned_tables(self.backend, layout=self.layout)
 
     def cleanup(self, *, dry_run: bool = False) -> list[OwnedObject]:
         from kproxy.dataplane.nftables.cleanup import cleanup
 
-        found = cleanup(self.backend, dry_run=dry_run)
+        found = cleanup(self.backend, dry_run=dry_run, layout=self.layout)
         if not dry_run:
             self._state = None
             self._base_chains_recreated = False

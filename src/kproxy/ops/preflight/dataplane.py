@@ -167,12 +167,13 @@ class _PreflightDump(KernelDump):
         return run
 
     def nft_tables(self) -> _Tables:
-        output = self.snap.get("nftables", {}).get("output") or "{}"
         tables = []
-        for item in json.loads(output).get("nftables", []):
-            t = item.get("table") if isinstance(item, dict) else None
-            if t:
-                tables.append(TableRef(t["family"], t["name"]))
+        for section in ("nftables", "nftables-compact"):  # each layout's section
+            output = self.snap.get(section, {}).get("output") or "{}"
+            for item in json.loads(output).get("nftables", []):
+                t = item.get("table") if isinstance(item, dict) else None
+                if t:
+                    tables.append(TableRef(t["family"], t["name"]))
         return _Tables(tables)
 
     def nft_table_exists(self, family: str, name: str) -> bool:

@@ -132,7 +132,7 @@ def detect_current(snap: dict[str, Any]) -> tuple[str | None, str | None, list[s
             live.append(("userspace", fl))
         elif "-j KUBE-SERVICES" in text and ":KUBE-SERVICES" in text:
             live.append(("iptables", fl))
-    if backup.nft_has_kube_proxy(snap.get("nftables", {}).get("output", "")):
+    if any(backup.nft_has_kube_proxy(snap.get(s, {}).get("output", "")) for s in backup.NFT_PLANES):
         live.append(("nftables", None))
     if "-A -" in snap.get("ipvs", {}).get("output", ""):
         live.append(("ipvs", None))
