@@ -1,0 +1,218 @@
+"""Properties of the model and of every mode's planner over generated objects (no root).
+
+The objects come from tests/support/strategies.py: valid, collision-free sets of Services,
+EndpointSlices and this node's Node, and invalid or ignored objects added to them. The same
+properties against a real kernel are in test_properties_kernel.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kproxy.dataplane.facts import NodeFacts, RuleOptions
+from kproxy.dataplane.iptables.proxier import IptablesDataplane
+from kproxy.dataplane.ipvs.proxier import IpvsDataplane
+from kproxy.dataplane.nftables.proxier import NftablesDataplane
+from kproxy.dataplane.registry import SPECS, RenderArgs
+from kproxy.model.objects import Snapshot
+from kproxy.model.snapshot import snapshot_from_objects
+from tests.support.iptables_fakes import FakeXtables
+from tests.support.ipvs_fakes import FakeDummy, FakeIpset, FakeIpvs, IpvsKernel
+from tests.support.nft_fakes import FakeBackend as NftFakeBackend
+from tests.support.nft_fakes import sort_dump
+from tests.support.strategies import (
+    IGNORED,
+    INVALID,
+    NODE,
+    BadObject,
+    bad_objects,
+    node_facts,
+    rule_options,
+    valid_worlds,
+    world_pairs,
+)
+from tests.support.timing import module_timer
+
+# Every example renders all four modes: a few milliseconds each.
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# No saved userspace proxy ports: a render from nothing.
+NO_STATE = Path("/nonexistent/kproxy-properties")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module", autouse=True)
+def timed(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield from module_timer(request)
+
+
+def snap(objects: list[dict[str, Any]]) -> Snapshot:
+    return snapshot_from_objects(objects, NODE)
+
+
+def renders(snapshot: Snapshot, facts: NodeFacts, options: RuleOptions) -> dict[str, str]:
+    """Every mode's `kproxy render` output for the snapshot."""
+    args = RenderArgs(snapshot, facts, options, NO_STATE)
+    return {name: spec.render(args) for name, spec in SPECS.items()}
+
+
+def key_of(obj: dict[str, Any]) -> tuple[str, str, str]:
+    meta = obj["metadata"]
+    ns = "" if obj["kind"] == "Node" else (meta.get("namespace") or "default")
+    return obj["kind"], ns, meta["name"]
+
+
+@st.composite
+def worlds_with_bad(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[BadObject]]:
+    valid = draw(valid_worlds())
+    has_node = any(o["kind"] == "Node" for o in valid)
+    return valid, draw(bad_objects(valid, with_node=not has_node))
+
+
+# --- the model -------------------------------------------------------------------------------
+
+
+@PROPERTY
+@given(worlds_with_bad())
+def test_every_object_parses_and_only_invalid_ones_are_reported(
+    world: tuple[list[dict[str, Any]], list[BadObject]],
+) -> None:
+    valid, bad = world
+    snapshot = snap(valid + [b.obj for b in bad])
+    reported = {(r.kind, r.namespace, r.name): r for r in snapshot.rejections}
+    expected = {key_of(b.obj) for b in bad if b.outcome == INVALID}
+    assert set(reported) == expected, bad
+    for rej in reported.values():
+        assert rej.field and rej.reason
+        assert str(rej).startswith(f"{rej.kind} ")
+    for b in bad:
+        if b.outcome == IGNORED:
+            assert key_of(b.obj) not in reported
+
+
+@PROPERTY
+@given(worlds_with_bad(), node_facts(), rule_options())
+def test_bad_objects_change_nothing_else(
+    world: tuple[list[dict[str, Any]], list[BadObject]],
+    facts: NodeFacts,
+    options: RuleOptions,
+) -> None:
+    valid, bad = world
+    clean = snap(valid)
+    dirty = snap(valid + [b.obj for b in bad])
+    assert dirty.services == clean.services
+    assert dirty.node == clean.node
+    assert renders(dirty, facts, options) == renders(clean, facts, options)
+
+
+@PROPERTY
+@given(st.data(), worlds_with_bad(), node_facts(), rule_options())
+def test_snapshot_and_renders_do_not_depend_on_object_order(
+    data: st.DataObject,
+    world: tuple[list[dict[str, Any]], list[BadObject]],
+    facts: NodeFacts,
+    options: RuleOptions,
+) -> None:
+    valid, bad = world
+    objects = valid + [b.obj for b in bad]
+    shuffled = data.draw(st.permutations(objects))
+    first, second = snap(objects), snap(shuffled)
+    assert second.services == first.services
+    assert second.node == first.node
+    assert second.rejections == first.rejections
+    assert list(second.services) == list(first.services)
+    assert renders(second, facts, options) == renders(first, facts, options)
+
+
+# --- planners: partial syncs end where full ones do --------------------------------------------
+
+
+@PROPERTY
+@given(world_pairs(), node_facts(), rule_options(), st.sampled_from(["nft", "legacy"]))
+def test_iptables_partial_sync_ends_like_a_full_one(
+    pair: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+    facts: NodeFacts,
+    options: RuleOptions,
+    flavour: str,
+) -> None:
+    before, after = snap(pair[0]), snap(pair[1])
+    partial, full = FakeXtables(), FakeXtables()
+    plane = IptablesDataplane(partial.backend(flavour), facts, options)
+    plane.sync(before, full=True)
+    plane.sync(after, full=False)
+    IptablesDataplane(full.backend(flavour), facts, options).sync(after, full=True)
+    assert partial.save() == full.save()
+
+
+def nft_plane(facts: NodeFacts, options: RuleOptions, clock: Clock) -> NftablesDataplane:
+    return NftablesDataplane(facts, options, backend=NftFakeBackend(), clock=clock)
+
+
+def nft_dump(plane: NftablesDataplane) -> list[str]:
+    backend = plane.backend
+    assert isinstance(backend, NftFakeBackend)
+    return sort_dump(backend.table.dump())
+
+
+@PROPERTY
+@given(world_pairs(), node_facts(), rule_options())
+def test_nftables_partial_sync_ends_like_a_full_one(
+    pair: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+    facts: NodeFacts,
+    options: RuleOptions,
+) -> None:
+    before, after = snap(pair[0]), snap(pair[1])
+    clock = Clock()
+    partial, full, fresh = (nft_plane(facts, options, clock) for _ in range(3))
+    for plane in (partial, full):
+        plane.sync(before, full=True)
+    partial.sync(after, full=False)
+    full.sync(after, full=True)
+    fresh.sync(after, full=True)
+    assert nft_dump(partial) == nft_dump(full)
+    # Once stale chains are due for deletion, nothing of `before` is left.
+    clock.now += 3600
+    partial.sync(after, full=False)
+    assert nft_dump(partial) == nft_dump(fresh)
+
+
+def ipvs_world(facts: NodeFacts, options: RuleOptions) -> tuple[IpvsDataplane, IpvsKernel]:
+    kernel = IpvsKernel(FakeIpvs(), FakeDummy(), FakeIpset(), FakeXtables())
+    plane = IpvsDataplane(
+        kernel.iptables.backend("legacy"),
+        facts,
+        options,
+        ipvs=kernel.ipvs,  # type: ignore[arg-type]
+        ipset=kernel.ipset,  # type: ignore[arg-type]
+        dummy=kernel.dummy,  # type: ignore[arg-type]
+        clock=Clock(),
+    )
+    return plane, kernel
+
+
+@PROPERTY
+@given(world_pairs(), node_facts(), rule_options())
+def test_ipvs_partial_sync_ends_like_a_full_one(
+    pair: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+    facts: NodeFacts,
+    options: RuleOptions,
+) -> None:
+    before, after = snap(pair[0]), snap(pair[1])
+    (partial, partial_kernel), (full, full_kernel) = (ipvs_world(facts, options) for _ in range(2))
+    for plane in (partial, full):
+        plane.sync(before, full=True)
+    partial.sync(after, full=False)
+    full.sync(after, full=True)
+    assert partial_kernel.state() == full_kernel.state()
