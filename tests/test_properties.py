@@ -31,11 +31,11 @@ from tests.support.strategies import (
     INVALID,
     NODE,
     BadObject,
+    any_world_pairs,
     bad_objects,
     node_facts,
     rule_options,
     valid_worlds,
-    world_pairs,
 )
 from tests.support.timing import module_timer
 
@@ -76,7 +76,7 @@ def key_of(obj: dict[str, Any]) -> tuple[str, str, str]:
 
 @st.composite
 def worlds_with_bad(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[BadObject]]:
-    valid = draw(valid_worlds())
+    valid = draw(valid_worlds(collide=draw(st.booleans())))
     has_node = any(o["kind"] == "Node" for o in valid)
     return valid, draw(bad_objects(valid, with_node=not has_node))
 
@@ -140,7 +140,7 @@ def test_snapshot_and_renders_do_not_depend_on_object_order(
 
 
 @PROPERTY
-@given(world_pairs(), node_facts(), rule_options(), st.sampled_from(["nft", "legacy"]))
+@given(any_world_pairs(), node_facts(), rule_options(), st.sampled_from(["nft", "legacy"]))
 def test_iptables_partial_sync_ends_like_a_full_one(
     pair: tuple[list[dict[str, Any]], list[dict[str, Any]]],
     facts: NodeFacts,
@@ -167,7 +167,7 @@ def nft_dump(plane: NftablesDataplane) -> list[str]:
 
 
 @PROPERTY
-@given(world_pairs(), node_facts(), rule_options())
+@given(any_world_pairs(), node_facts(), rule_options())
 def test_nftables_partial_sync_ends_like_a_full_one(
     pair: tuple[list[dict[str, Any]], list[dict[str, Any]]],
     facts: NodeFacts,
@@ -203,7 +203,7 @@ def ipvs_world(facts: NodeFacts, options: RuleOptions) -> tuple[IpvsDataplane, I
 
 
 @PROPERTY
-@given(world_pairs(), node_facts(), rule_options())
+@given(any_world_pairs(), node_facts(), rule_options())
 def test_ipvs_partial_sync_ends_like_a_full_one(
     pair: tuple[list[dict[str, Any]], list[dict[str, Any]]],
     facts: NodeFacts,

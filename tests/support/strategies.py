@@ -135,15 +135,17 @@ def endpoint_slices(
 
 
 @st.composite
-def service_with_slices(draw: st.DrawFn, i: int) -> list[dict[str, Any]]:
-    """Service number i (any type, valid) and its EndpointSlices."""
+def service_with_slices(draw: st.DrawFn, i: int, collide: bool = False) -> list[dict[str, Any]]:
+    """Service number i (any type, valid) and its EndpointSlices. collide: its addresses
+    and ports are those of service 0 or 1, so frontends may be shared."""
     name, ns = f"s{i}", draw(st.sampled_from(NAMESPACES))
     kind = draw(
         st.sampled_from(["ClusterIP", "ClusterIP", "NodePort", "LoadBalancer", "ExternalName"])
         | st.just("headless")
     )
-    cluster_ip, external_pool, lb_pool = _service_ips(i)
-    ports = draw(service_ports(i, node_ports=kind in ("NodePort", "LoadBalancer")))
+    own = draw(st.integers(0, 1)) if collide else i
+    cluster_ip, external_pool, lb_pool = _service_ips(own)
+    ports = draw(service_ports(own, node_ports=kind in ("NodePort", "LoadBalancer")))
     spec: dict[str, Any] = {}
     status: dict[str, Any] | None = None
     svc_type: str | None = kind
@@ -187,7 +189,7 @@ def service_with_slices(draw: st.DrawFn, i: int) -> list[dict[str, Any]]:
                 )
             )
         if spec.get("externalTrafficPolicy") == "Local":
-            spec["healthCheckNodePort"] = 32000 + i
+            spec["healthCheckNodePort"] = 32000 + own
     annotations = draw(
         st.sampled_from(
             [None, {"a": "b"}, {"ipvs.kubernetes.io/scheduler": draw(st.sampled_from(ODD_TEXT))}]
@@ -217,11 +219,15 @@ def this_node(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @st.composite
-def valid_worlds(draw: st.DrawFn, max_services: int = 4) -> list[dict[str, Any]]:
-    """A valid, collision-free set of objects: this node (usually) and 0-max services."""
+def valid_worlds(
+    draw: st.DrawFn, max_services: int = 4, *, collide: bool = False
+) -> list[dict[str, Any]]:
+    """A valid set of objects: this node (usually) and 0-max services, collision-free
+    unless `collide` (then services share ClusterIPs, externalIPs, LB IPs and NodePorts,
+    which an API server forbids only for ClusterIPs and NodePorts)."""
     out = [draw(this_node())] if draw(st.integers(0, 4)) else []
     for i in range(draw(st.integers(0, max_services))):
-        out += draw(service_with_slices(i))
+        out += draw(service_with_slices(i, collide))
     return out
 
 
@@ -433,12 +439,13 @@ def _service_of(obj: dict[str, Any]) -> str:
 
 @st.composite
 def world_pairs(
-    draw: st.DrawFn, max_services: int = 4
+    draw: st.DrawFn, max_services: int = 4, *, collide: bool = False
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Two valid worlds, before and after: each service (with its slices) is kept, changed,
-    added or gone, and the Node kept or changed, so a partial sync has some of everything."""
-    before = draw(valid_worlds(max_services))
-    other = draw(valid_worlds(max_services))
+    added or gone, and the Node kept or changed, so a partial sync has some of everything.
+    collide: as valid_worlds."""
+    before = draw(valid_worlds(max_services, collide=collide))
+    other = draw(valid_worlds(max_services, collide=collide))
     after: list[dict[str, Any]] = []
     nodes = [o for o in before if o["kind"] == "Node"], [o for o in other if o["kind"] == "Node"]
     after += nodes[draw(st.integers(0, 1))]
@@ -447,3 +454,8 @@ def world_pairs(
         source = draw(st.sampled_from([before, before, other, []]))
         after += [o for o in source if o["kind"] != "Node" and _service_of(o) == name]
     return before, after
+
+
+def any_world_pairs() -> st.SearchStrategy[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """World pairs, a quarter of them with shared frontends."""
+    return st.one_of(world_pairs(), world_pairs(), world_pairs(), world_pairs(collide=True))
