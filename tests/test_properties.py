@@ -31,7 +31,8 @@ from tests.support.strategies import (
     INVALID,
     NODE,
     BadObject,
-    any_world_pairs,
+    World,
+    any_world_histories,
     bad_objects,
     node_facts,
     rule_options,
@@ -39,8 +40,11 @@ from tests.support.strategies import (
 )
 from tests.support.timing import module_timer
 
-# Every example renders all four modes: a few milliseconds each.
-PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# About 0.1 s of CPU per example (every mode's render, or a few syncs into fakes).
+PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SYNCS = settings(PROPERTY, max_examples=60)
+# A full sync, then up to three partial ones.
+HISTORIES = any_world_histories(max_length=4)
 # No saved userspace proxy ports: a render from nothing.
 NO_STATE = Path("/nonexistent/kproxy-properties")
 
@@ -139,20 +143,18 @@ def test_snapshot_and_renders_do_not_depend_on_object_order(
 # --- planners: partial syncs end where full ones do --------------------------------------------
 
 
-@PROPERTY
-@given(any_world_pairs(), node_facts(), rule_options(), st.sampled_from(["nft", "legacy"]))
-def test_iptables_partial_sync_ends_like_a_full_one(
-    pair: tuple[list[dict[str, Any]], list[dict[str, Any]]],
-    facts: NodeFacts,
-    options: RuleOptions,
-    flavour: str,
+@SYNCS
+@given(HISTORIES, node_facts(), rule_options(), st.sampled_from(["nft", "legacy"]))
+def test_iptables_partial_syncs_end_like_a_full_one(
+    history: list[World], facts: NodeFacts, options: RuleOptions, flavour: str
 ) -> None:
-    before, after = snap(pair[0]), snap(pair[1])
+    first, *rest = [snap(w) for w in history]
     partial, full = FakeXtables(), FakeXtables()
     plane = IptablesDataplane(partial.backend(flavour), facts, options)
-    plane.sync(before, full=True)
-    plane.sync(after, full=False)
-    IptablesDataplane(full.backend(flavour), facts, options).sync(after, full=True)
+    plane.sync(first, full=True)
+    for s in rest:
+        plane.sync(s, full=False)
+    IptablesDataplane(full.backend(flavour), facts, options).sync(rest[-1], full=True)
     assert partial.save() == full.save()
 
 
@@ -166,18 +168,18 @@ def nft_dump(plane: NftablesDataplane) -> list[str]:
     return sort_dump(backend.table.dump())
 
 
-@PROPERTY
-@given(any_world_pairs(), node_facts(), rule_options())
-def test_nftables_partial_sync_ends_like_a_full_one(
-    pair: tuple[list[dict[str, Any]], list[dict[str, Any]]],
-    facts: NodeFacts,
-    options: RuleOptions,
+@SYNCS
+@given(HISTORIES, node_facts(), rule_options())
+def test_nftables_partial_syncs_end_like_a_full_one(
+    history: list[World], facts: NodeFacts, options: RuleOptions
 ) -> None:
-    before, after = snap(pair[0]), snap(pair[1])
+    first, *middle, after = [snap(w) for w in history]
     clock = Clock()
     partial, full, fresh = (nft_plane(facts, options, clock) for _ in range(3))
     for plane in (partial, full):
-        plane.sync(before, full=True)
+        plane.sync(first, full=True)
+        for s in middle:
+            plane.sync(s, full=False)
     partial.sync(after, full=False)
     full.sync(after, full=True)
     fresh.sync(after, full=True)
@@ -202,17 +204,17 @@ def ipvs_world(facts: NodeFacts, options: RuleOptions) -> tuple[IpvsDataplane, I
     return plane, kernel
 
 
-@PROPERTY
-@given(any_world_pairs(), node_facts(), rule_options())
-def test_ipvs_partial_sync_ends_like_a_full_one(
-    pair: tuple[list[dict[str, Any]], list[dict[str, Any]]],
-    facts: NodeFacts,
-    options: RuleOptions,
+@SYNCS
+@given(HISTORIES, node_facts(), rule_options())
+def test_ipvs_partial_syncs_end_like_a_full_one(
+    history: list[World], facts: NodeFacts, options: RuleOptions
 ) -> None:
-    before, after = snap(pair[0]), snap(pair[1])
+    first, *middle, after = [snap(w) for w in history]
     (partial, partial_kernel), (full, full_kernel) = (ipvs_world(facts, options) for _ in range(2))
     for plane in (partial, full):
-        plane.sync(before, full=True)
+        plane.sync(first, full=True)
+        for s in middle:
+            plane.sync(s, full=False)
     partial.sync(after, full=False)
     full.sync(after, full=True)
     assert partial_kernel.state() == full_kernel.state()

@@ -437,25 +437,34 @@ def _service_of(obj: dict[str, Any]) -> str:
     return str((meta.get("labels") or {}).get("kubernetes.io/service-name", ""))
 
 
+World = list[dict[str, Any]]
+
+
 @st.composite
-def world_pairs(
-    draw: st.DrawFn, max_services: int = 4, *, collide: bool = False
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Two valid worlds, before and after: each service (with its slices) is kept, changed,
-    added or gone, and the Node kept or changed, so a partial sync has some of everything.
-    collide: as valid_worlds."""
-    before = draw(valid_worlds(max_services, collide=collide))
-    other = draw(valid_worlds(max_services, collide=collide))
-    after: list[dict[str, Any]] = []
-    nodes = [o for o in before if o["kind"] == "Node"], [o for o in other if o["kind"] == "Node"]
-    after += nodes[draw(st.integers(0, 1))]
-    for i in range(max_services):
-        name = f"s{i}"
-        source = draw(st.sampled_from([before, before, other, []]))
-        after += [o for o in source if o["kind"] != "Node" and _service_of(o) == name]
-    return before, after
+def world_histories(
+    draw: st.DrawFn, max_length: int = 2, max_services: int = 4, *, collide: bool = False
+) -> list[World]:
+    """2-max_length valid worlds one after the other: from one to the next each service (with
+    its slices) is kept, changed, added or gone, and the Node kept or changed, so a partial
+    sync has some of everything. collide: as valid_worlds."""
+    history = [draw(valid_worlds(max_services, collide=collide))]
+    for _ in range(draw(st.integers(2, max_length)) - 1):
+        before, other = history[-1], draw(valid_worlds(max_services, collide=collide))
+        after: World = []
+        nodes = (
+            [o for o in before if o["kind"] == "Node"],
+            [o for o in other if o["kind"] == "Node"],
+        )
+        after += nodes[draw(st.integers(0, 1))]
+        for i in range(max_services):
+            name = f"s{i}"
+            source = draw(st.sampled_from([before, before, other, []]))
+            after += [o for o in source if o["kind"] != "Node" and _service_of(o) == name]
+        history.append(after)
+    return history
 
 
-def any_world_pairs() -> st.SearchStrategy[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
-    """World pairs, a quarter of them with shared frontends."""
-    return st.one_of(world_pairs(), world_pairs(), world_pairs(), world_pairs(collide=True))
+def any_world_histories(max_length: int = 2) -> st.SearchStrategy[list[World]]:
+    """World histories, a quarter of them with shared frontends."""
+    plain = world_histories(max_length)
+    return st.one_of(plain, plain, plain, world_histories(max_length, collide=True))
