@@ -24,6 +24,7 @@ from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import snapshot_from_objects
 from tests.support.iptables_fakes import FakeXtables
 from tests.support.ipvs_fakes import FakeDummy, FakeIpset, FakeIpvs, IpvsKernel
+from tests.support.model_objects import service, sport
 from tests.support.nft_fakes import FakeBackend as NftFakeBackend
 from tests.support.nft_fakes import sort_dump
 from tests.support.strategies import (
@@ -138,6 +139,29 @@ def test_snapshot_and_renders_do_not_depend_on_object_order(
     assert second.rejections == first.rejections
     assert list(second.services) == list(first.services)
     assert renders(second, facts, options) == renders(first, facts, options)
+
+
+# --- regressions found while writing the strategies ---------------------------------------------
+
+
+def test_two_ports_of_a_service_never_share_a_port_or_node_port() -> None:
+    """The API server rejects them (each pair would fight over one frontend, and the modes
+    chose different winners: iptables the first port, nftables the last name)."""
+    same_port = service("web", ports=[sport("a", 80), sport("b", 80)])
+    same_node_port = service(
+        "lb",
+        svc_type="NodePort",
+        ports=[sport("a", 80, node_port=30080), sport("b", 81, node_port=30080)],
+    )
+    other_protocol = service(
+        "dns", ports=[sport("tcp", 53), sport("udp", 53, protocol="UDP")], cluster_ip="10.96.0.11"
+    )
+    s = snap([same_port, same_node_port, other_protocol])
+    assert [str(r) for r in s.rejections] == [
+        "Service ns/lb: spec.ports[1].nodePort: Duplicate value: 30080 (TCP)",
+        "Service ns/web: spec.ports[1]: Duplicate value: port 80 (TCP)",
+    ]
+    assert sorted(str(n) for n in s.services) == ["ns/dns:tcp", "ns/dns:udp"]
 
 
 # --- planners: partial syncs end where full ones do --------------------------------------------

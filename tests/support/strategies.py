@@ -253,6 +253,7 @@ _SERVICE_DAMAGE: list[tuple[tuple[Any, ...], Any, str]] = [
     (("metadata", "labels"), {"service.kubernetes.io/service-proxy-name": "other"}, IGNORED),
     (("spec", "ports"), [sport(None, 80), sport(None, 81)], INVALID),
     (("spec", "ports"), [sport("a", 80), sport("a", 81)], INVALID),
+    (("spec", "ports"), [sport("a", 80), sport("b", 80)], INVALID),
     (("spec", "ports"), {"port": 80}, INVALID),
     (("spec", "ports", 0, "port"), 0, INVALID),
     (("spec", "ports", 0, "port"), 65536, INVALID),
@@ -277,6 +278,11 @@ _SERVICE_DAMAGE: list[tuple[tuple[Any, ...], Any, str]] = [
 ]
 # The same, only for a service of type LoadBalancer.
 _LB_DAMAGE: list[tuple[tuple[Any, ...], Any, str]] = [
+    (
+        ("spec", "ports"),
+        [sport("a", 80, node_port=30999), sport("b", 81, node_port=30999)],
+        INVALID,
+    ),
     (("spec", "ports", 0, "nodePort"), 70000, INVALID),
     (("spec", "ports", 0, "nodePort"), -1, INVALID),
     (("spec", "loadBalancerSourceRanges"), ["10.0.0.0/33"], INVALID),
