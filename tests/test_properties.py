@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.proxier import IptablesDataplane
 from kproxy.dataplane.ipvs.proxier import IpvsDataplane
+from kproxy.dataplane.nftables.layouts import DEFAULT_LAYOUT, LAYOUTS
 from kproxy.dataplane.nftables.proxier import NftablesDataplane
 from kproxy.dataplane.registry import SPECS, RenderArgs
 from kproxy.model.objects import Snapshot
@@ -69,8 +70,12 @@ def snap(objects: list[dict[str, Any]]) -> Snapshot:
 
 def renders(snapshot: Snapshot, facts: NodeFacts, options: RuleOptions) -> dict[str, str]:
     """Every mode's `kproxy render` output for the snapshot."""
-    args = RenderArgs(snapshot, facts, options, NO_STATE)
-    return {name: spec.render(args) for name, spec in SPECS.items()}
+    out = {}
+    for name, spec in SPECS.items():
+        for layout in LAYOUTS if name == "nftables" else (DEFAULT_LAYOUT,):
+            args = RenderArgs(snapshot, facts, options, NO_STATE, nftables_layout=layout)
+            out[f"{name} {layout}"] = spec.render(args)
+    return out
 
 
 def key_of(obj: dict[str, Any]) -> tuple[str, str, str]:
@@ -197,6 +202,8 @@ def nft_dump(plane: NftablesDataplane) -> list[str]:
 def test_nftables_partial_syncs_end_like_a_full_one(
     history: list[World], facts: NodeFacts, options: RuleOptions
 ) -> None:
+    """The upstream layout (the fake table is `ip kube-proxy`; the compact layout's partial
+    syncs are checked in a kernel by test_properties_kernel.py)."""
     first, *middle, after = [snap(w) for w in history]
     clock = Clock()
     partial, full, fresh = (nft_plane(facts, options, clock) for _ in range(3))

@@ -37,6 +37,7 @@ from kproxy.dataplane.iptables.render import render_full as iptables_render
 from kproxy.dataplane.ipvs.ipset import IpsetClient, sync_lines
 from kproxy.dataplane.ipvs.plan import IpvsPlanner
 from kproxy.dataplane.ipvs.render import ipset_restore
+from kproxy.dataplane.nftables.layouts import DEFAULT_LAYOUT, LAYOUTS
 from kproxy.dataplane.nftables.proxier import NftablesDataplane
 from kproxy.dataplane.nftables.render import render_full as nftables_render
 from kproxy.dataplane.userspace.render import render_text as userspace_render
@@ -232,19 +233,25 @@ def tables(backend: IptablesBackend) -> list[str]:
 # --- nftables mode ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @KERNEL
 @given(pair=any_world_histories(), facts=node_facts(), options=rule_options())
 def test_nftables_render_is_accepted_and_reads_back_as_the_model(
-    netns: Namespace, pair: list[World], facts: NodeFacts, options: RuleOptions
+    netns: Namespace, layout: str, pair: list[World], facts: NodeFacts, options: RuleOptions
 ) -> None:
+    """The compact layout has no reader yet (`kproxy list` reads table ip kube-proxy):
+    its render is checked by the kernel and its syncs applied, not read back."""
     netns.empty()
     before, after = snap(pair[0]), snap(pair[1])
-    accepted(netns.name, ["nft", "-c", "-f", "-"], nftables_render(before, facts, options))
-    plane = NftablesDataplane(facts, options, netns=netns.name)
+    render = nftables_render(before, facts, options, layout=layout)
+    accepted(netns.name, ["nft", "-c", "-f", "-"], render)
+    plane = NftablesDataplane(facts, options, netns=netns.name, layout=layout)
     plane.sync(before, full=True)
-    reads_back_as(netns, "nftables", before, facts)
+    if layout == DEFAULT_LAYOUT:
+        reads_back_as(netns, "nftables", before, facts)
     plane.sync(after, full=False)
-    reads_back_as(netns, "nftables", after, facts)
+    if layout == DEFAULT_LAYOUT:
+        reads_back_as(netns, "nftables", after, facts)
 
 
 # --- ipvs mode: ipsets and iptables rules (virtual servers need ip_vs: UML tests) ------------
