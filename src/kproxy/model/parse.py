@@ -272,6 +272,10 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
 
     ports: list[ParsedPort] = []
     seen: set[tuple[str, Protocol]] = set()
+    # Like the API server: two ports of one Service never share a (port, protocol) or
+    # (nodePort, protocol), or they would fight over one frontend.
+    numbers: set[tuple[int, Protocol]] = set()
+    node_ports: set[tuple[int, Protocol]] = set()
     raw_ports = _list(spec.get("ports"), "spec.ports")
     for i, raw in enumerate(raw_ports):
         path = f"spec.ports[{i}]"
@@ -306,6 +310,12 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
         if (pname, proto) in seen:
             raise InvalidObject(f"{path}.name", f"Duplicate value: {pname!r} ({proto})")
         seen.add((pname, proto))
+        if (number, proto) in numbers:
+            raise InvalidObject(path, f"Duplicate value: port {number} ({proto})")
+        numbers.add((number, proto))
+        if node_port and (node_port, proto) in node_ports:
+            raise InvalidObject(f"{path}.nodePort", f"Duplicate value: {node_port} ({proto})")
+        node_ports.add((node_port, proto))
         ports.append(ParsedPort(pname, proto, number, target, node_port))
 
     external_ips = _ipv4_list(spec.get("externalIPs"), "spec.externalIPs")
