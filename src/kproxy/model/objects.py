@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kproxy.text import one_line
+
 
 class Protocol(StrEnum):
     TCP = "TCP"
@@ -153,8 +155,18 @@ class Rejection:
     reason: str
 
     def __str__(self) -> str:
+        """For logs, warnings and status: every part came from the object, so escaped."""
         who = f"{self.namespace}/{self.name}" if self.namespace else self.name
-        return f"{self.kind} {who}: {self.field}: {self.reason}"
+        return one_line(f"{self.kind} {who}: {self.field}: {self.reason}", 500)
+
+    def to_dict(self) -> dict[str, str]:
+        return {
+            "kind": one_line(self.kind),
+            "namespace": one_line(self.namespace),
+            "name": one_line(self.name),
+            "field": one_line(self.field),
+            "error": one_line(self.reason, 300),
+        }
 
 
 @dataclass(frozen=True, slots=True)

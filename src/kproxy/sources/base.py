@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kproxy.text import one_line
+
 # Kinds a source forwards; everything else it reads is ignored.
 SERVICE = "Service"
 ENDPOINT_SLICE = "EndpointSlice"
@@ -25,11 +27,10 @@ class ObjectKey:
     name: str
 
     def __str__(self) -> str:
-        return (
-            f"{self.kind} {self.namespace}/{self.name}"
-            if self.namespace
-            else f"{self.kind} {self.name}"
-        )
+        """For logs and reports: names come from outside, so they are escaped."""
+        name = one_line(self.name)
+        kind = one_line(self.kind)
+        return f"{kind} {one_line(self.namespace)}/{name}" if self.namespace else f"{kind} {name}"
 
 
 @dataclass(frozen=True, slots=True)
