@@ -27,6 +27,7 @@ from kproxy.sources.base import ObjectEvent, ObjectKey
 from kproxy.sources.files import FileSource, _FileError, _parse_bytes, load_path, read_path
 from kproxy.sources.reflector import SERVICES, Reflector, _decode
 from kproxy.sources.yamlload import MAX_DEPTH
+from kproxy.text import OneLineFormatter
 
 LOGGER = "kproxy.sources.files"
 
@@ -99,9 +100,8 @@ def test_hostile_files_neither_raise_nor_hold_up_a_valid_file(tmp_path: Path) ->
     assert {"scalar.yaml", "metadata-list.yaml", "name-int.yaml", "kind-map.yaml"} <= skipped
     assert {"items-map.yaml", "list-of-lists.yaml", "namespace-list.yaml"} <= skipped
     assert all(p.line is not None for p in loaded.skipped)
-    # Every message is one line naming its file.
     for p in loaded.failed + loaded.skipped:
-        assert "\n" not in str(p) and str(p).startswith(str(folder))
+        assert str(p).startswith(str(folder))
     by_name = {Path(p.path).name: p for p in loaded.failed}
     assert by_name["laughs.yaml"].line is not None and "nodes" in by_name["laughs.yaml"].error
     assert by_name["deep.yaml"].line == 3 and f"{MAX_DEPTH} levels" in by_name["deep.yaml"].error
@@ -203,7 +203,7 @@ def test_files_that_are_too_big_or_not_regular_are_refused_unread(
     assert "larger than" in errors["big.yaml"] and "not a regular file" in errors["fifo.yaml"]
 
 
-def test_a_newline_in_a_name_cannot_forge_a_log_line(
+def test_a_newline_in_a_name_reaches_logs_and_status_as_one_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
@@ -213,15 +213,20 @@ def test_a_newline_in_a_name_cannot_forge_a_log_line(
         f'kind: Service\nmetadata: {{name: "{forged}"}}\nspec: {{clusterIP: "bad\\nip"}}\n'
     )
     (tmp_path / "b.yaml").write_text(f'kind: Service\nmetadata: {{name: "{forged}"}}\n')
-    objects, problems = load_path(tmp_path)
-    assert problems and all("\n" not in p for p in problems)
+    src = FileSource(tmp_path, poll_interval=60)
     tracker = ChangeTracker("n1")
-    tracker.apply([ObjectEvent(k, o) for k, o in objects.items()])
+    src.start(tracker.apply)
+    src.stop()
     (rejection,) = tracker.rejections()
-    assert "\n" not in str(rejection) and "\\n" in str(rejection)
-    assert all("\n" not in v for v in rejection.to_dict().values())
-    for record in caplog.records:
-        assert "\n" not in record.getMessage(), record.getMessage()
+    assert rejection.name == "a\nE0101 forged line"
+    # The log setup of every command (kproxy.text) and the status text keep each on one line.
+    formatter = OneLineFormatter("%(message)s")
+    logged = [formatter.format(r) for r in caplog.records]
+    assert any("a\\nE0101 forged line" in line for line in logged)
+    assert all("\n" not in line for line in logged)
+    status_text = _source_problem_lines(src.state())
+    assert any("a\\nE0101" in line for line in status_text)
+    assert all("\n" not in line for line in status_text)
 
 
 # --- any bytes at all ---------------------------------------------------------------------
@@ -277,9 +282,9 @@ def test_any_bytes_in_a_file_give_objects_or_a_file_error(data: bytes, suffix: s
     try:
         parsed = _parse_bytes(data, Path("/src/f" + suffix))
     except _FileError as e:
-        assert "\n" not in str(e) and str(e).startswith("/src/f")
+        assert str(e).startswith("/src/f") and e.problem.path == "/src/f" + suffix
         return
-    assert all("\n" not in str(p) for p in parsed.problems)
+    assert all(p.path == "/src/f" + suffix for p in parsed.problems)
 
 
 # --- the tracker: an object that cannot be read is that object's problem alone ------------

@@ -468,14 +468,14 @@ def render(
         if loaded.failed:
             # Rules without a whole file's objects would look complete and be wrong.
             for problem in loaded.failed[1:]:
-                typer.secho(f"kproxy: error: {problem}", err=True, fg=typer.colors.RED)
+                typer.secho(f"kproxy: error: {one_line(problem)}", err=True, fg=typer.colors.RED)
             raise UsageError(
-                f"{loaded.failed[0]}"
+                f"{one_line(loaded.failed[0])}"
                 + (f" (and {len(loaded.failed) - 1} more files)" if len(loaded.failed) > 1 else "")
                 + "; nothing rendered"
             )
         for p in [*loaded.skipped, *loaded.duplicates]:
-            typer.secho(f"kproxy: warning: {p}", err=True, fg=typer.colors.YELLOW)
+            typer.secho(f"kproxy: warning: {one_line(p)}", err=True, fg=typer.colors.YELLOW)
         snapshot = snapshot_from_objects(loaded.objects.values(), _node_name(config))
         del loaded  # the raw objects are not needed past the model: gone before the render
         for rej in snapshot.rejections:

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kproxy.text import one_line
-
 
 class Protocol(StrEnum):
     TCP = "TCP"
@@ -155,17 +153,16 @@ class Rejection:
     reason: str
 
     def __str__(self) -> str:
-        """For logs, warnings and status: every part came from the object, so escaped."""
         who = f"{self.namespace}/{self.name}" if self.namespace else self.name
-        return one_line(f"{self.kind} {who}: {self.field}: {self.reason}", 500)
+        return f"{self.kind} {who}: {self.field}: {self.reason}"
 
     def to_dict(self) -> dict[str, str]:
         return {
-            "kind": one_line(self.kind),
-            "namespace": one_line(self.namespace),
-            "name": one_line(self.name),
-            "field": one_line(self.field),
-            "error": one_line(self.reason, 300),
+            "kind": self.kind,
+            "namespace": self.namespace,
+            "name": self.name,
+            "field": self.field,
+            "error": self.reason,
         }
 
 

@@ -103,20 +103,21 @@ def status_command(
 
 
 def _source_problem_lines(source: object) -> list[str]:
-    """The file source's failing files and skipped documents (as the proxy escaped them)."""
+    """The file source's failing files and skipped documents, one line each."""
     if not isinstance(source, dict) or "failing_files" not in source:
         return []
 
     def where(p: dict[str, object]) -> str:
-        return f"{p.get('file')}:{p['line']}" if p.get("line") else str(p.get("file"))
+        file = one_line(p.get("file"))
+        return f"{file}:{p['line']}" if p.get("line") else file
 
     failing = source.get("failing_files") or []
     skipped = source.get("skipped_documents") or []
     lines = [f"failing files:   {len(failing)} (each keeps its last good objects)"]
-    lines += [f"  - {where(p)}: {p.get('error')}" for p in failing[:20]]
+    lines += [f"  - {where(p)}: {one_line(p.get('error'))}" for p in failing[:20]]
     if skipped:
         lines.append(f"skipped documents: {len(skipped)}")
-        lines += [f"  - {where(p)}: {p.get('error')}" for p in skipped[:20]]
+        lines += [f"  - {where(p)}: {one_line(p.get('error'))}" for p in skipped[:20]]
     return lines
 
 

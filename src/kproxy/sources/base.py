@@ -11,8 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kproxy.text import one_line
-
 # Kinds a source forwards; everything else it reads is ignored.
 SERVICE = "Service"
 ENDPOINT_SLICE = "EndpointSlice"
@@ -27,10 +25,11 @@ class ObjectKey:
     name: str
 
     def __str__(self) -> str:
-        """For logs and reports: names come from outside, so they are escaped."""
-        name = one_line(self.name)
-        kind = one_line(self.kind)
-        return f"{kind} {one_line(self.namespace)}/{name}" if self.namespace else f"{kind} {name}"
+        return (
+            f"{self.kind} {self.namespace}/{self.name}"
+            if self.namespace
+            else f"{self.kind} {self.name}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,6 @@ import yaml
 from kproxy.sources.base import KINDS, NODE, EventSink, ObjectEvent, ObjectKey
 from kproxy.sources.dirwatch import DirWatch
 from kproxy.sources.yamlload import LimitExceeded, check_depth, load_documents
-from kproxy.text import one_line
 
 logger = logging.getLogger("kproxy.sources.files")
 
@@ -62,25 +61,26 @@ _Objects = dict[ObjectKey, dict[str, Any]]
 @dataclass(frozen=True)
 class FileProblem:
     """Something wrong in one file: the whole file (unreadable, unparsable) or one document
-    of it (skipped). Text from the file is escaped onto one line."""
+    of it (skipped). The path and error hold outside text: through kproxy.text.one_line
+    wherever they are shown as a line."""
 
     path: str
     line: int | None
     error: str
 
     def __str__(self) -> str:
-        where = one_line(self.path) + (f":{self.line}" if self.line is not None else "")
+        where = self.path + (f":{self.line}" if self.line is not None else "")
         return f"{where}: {self.error}"
 
     def to_dict(self) -> dict[str, object]:
-        return {"file": one_line(self.path), "line": self.line, "error": self.error}
+        return {"file": self.path, "line": self.line, "error": self.error}
 
 
 class _FileError(Exception):
     """A whole file could not be read or parsed; str() names the file and line."""
 
     def __init__(self, path: Path | str, line: int | None, error: str) -> None:
-        self.problem = FileProblem(str(path), line, one_line(error, 300))
+        self.problem = FileProblem(str(path), line, error[:300])
         super().__init__(str(self.problem))
 
 
@@ -232,7 +232,7 @@ def _expand(doc: Any, where: str) -> Iterator[tuple[str, Any]]:
     if not isinstance(doc.get("items"), list):
         items = doc.get("items")
         if items is not None:  # an empty List may print `items: null`
-            yield where, f"{one_line(kind, 60)}: items is {type(items).__name__}, not a list"
+            yield where, f"{kind}: items is {type(items).__name__}, not a list"
         return
     # `kubectl get -o yaml` of one kind prints a typed list whose items may omit kind and
     # apiVersion; the list's own values are what they would have been.
@@ -246,19 +246,19 @@ def _expand(doc: Any, where: str) -> Iterator[tuple[str, Any]]:
 
 
 def _key_of(obj: dict[str, Any]) -> ObjectKey | str:
-    """The object's key, or why it has none (text from the object escaped)."""
+    """The object's key, or why it has none."""
     kind = obj["kind"]
     meta = obj.get("metadata")
     if not isinstance(meta, dict):
-        return f"{one_line(kind, 60)} has no metadata"
+        return f"{kind} has no metadata"
     name = meta.get("name")
     if not isinstance(name, str) or not name:
-        return f"{one_line(kind, 60)} has no metadata.name"
+        return f"{kind} has no metadata.name"
     if kind == NODE:  # cluster-scoped: a stray namespace must not split its identity
         return ObjectKey(kind, "", name)
     namespace = meta.get("namespace") or "default"
     if not isinstance(namespace, str):
-        return f"{one_line(kind, 60)} {one_line(name, 253)}: metadata.namespace is not a string"
+        return f"{kind} {name}: metadata.namespace is not a string"
     return ObjectKey(kind, namespace, name)
 
 
@@ -286,7 +286,7 @@ def _parse_text(text: str, path: Path) -> _ParsedFile:
                 skip(line, where, "no kind")
                 continue
             if kind not in KINDS:
-                logger.debug("%s (%s): ignoring kind %s", one_line(path), where, one_line(kind))
+                logger.debug("%s (%s): ignoring kind %s", path, where, kind)
                 continue
             key = _key_of(obj)
             if isinstance(key, str):
@@ -362,8 +362,8 @@ def _merge(
 
 
 def _duplicate_message(key: ObjectKey, paths: tuple[Path, ...]) -> str:
-    names = ", ".join(one_line(p) for p in paths)
-    return f"{key} is defined in several files ({names}); using {one_line(paths[-1])}"
+    names = ", ".join(str(p) for p in paths)
+    return f"{key} is defined in several files ({names}); using {paths[-1]}"
 
 
 def _require(path: Path) -> None:
@@ -493,7 +493,7 @@ class FileSource:
         skipped, with file, line and error."""
         failed, skipped = self.problems()
         return {
-            "path": one_line(self.path),
+            "path": str(self.path),
             "files": len(self._states),
             "parse_errors": self.parse_errors,
             "failing_files": [p.to_dict() for p in failed],
@@ -742,7 +742,7 @@ class FileSource:
         for problem in result.problems:
             logger.warning("%s", problem)
         if state.error is not None:
-            logger.info("%s is valid again", one_line(path))
+            logger.info("%s is valid again", path)
         state.error = None
         state.skipped = result.problems
         digests = {key: _object_digest(obj) for key, obj in result.objects.items()}

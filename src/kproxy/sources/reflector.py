@@ -33,7 +33,6 @@ from kproxy.sources.kubeclient import (
     request,
     status_error,
 )
-from kproxy.text import one_line
 
 log = logging.getLogger("kproxy.sources.api")
 
@@ -128,13 +127,12 @@ class HealthLog:
 
 
 def describe_error(err: BaseException) -> str:
-    """One line (the server's text in it escaped)."""
     if isinstance(err, ApiError):
-        return one_line(err, 300)
+        return str(err)
     if isinstance(err, asyncio.TimeoutError | TimeoutError):
         return "timed out"
     text = str(err) or type(err).__name__
-    return one_line(f"{type(err).__name__}: {text}", 300)
+    return f"{type(err).__name__}: {text}"[:300]
 
 
 def _decode(line: bytes) -> Any:
@@ -399,7 +397,7 @@ class Reflector:
                 self.resource_version = rv
             return 0
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
-            log.debug("%s: ignoring watch event type %s", self.resource.describe(), one_line(kind))
+            log.debug("%s: ignoring watch event type %r", self.resource.describe(), kind)
             return 0
         obj.setdefault("kind", self.resource.kind)
         obj.setdefault("apiVersion", self.resource.api_version)
