@@ -113,6 +113,10 @@ class Daemon:
             # blocks the martian traffic this would otherwise let in.
             set_sysctl("net/ipv4/conf/all/route_localnet", 1)
         self.metrics = ProxyMetrics(config.effective_mode)
+        self.metrics.follow_inputs(
+            invalid_objects=lambda: self.tracker.rejected_total,
+            failing_files=self._failing_files,
+        )
         self.health = HealthState(health_timeout=2 * config.sync_period)
         # Health check NodePorts listen where NodePorts answer (loopback included).
         hc_ips = NodePortAddresses.from_entries(options.node_port_addresses).addresses(
@@ -307,9 +311,15 @@ class Daemon:
         self.loop.request_full_sync()
         return {"ok": True, "queued": "full sync"}
 
+    def _failing_files(self) -> int:
+        return len(self.source.current_errors) if isinstance(self.source, FileSource) else 0
+
     def status(self) -> dict[str, object]:
         st = self.loop.status
         res = st.last_result
+        # Bad input as the tracker and the source know it now, not as of the last sync: an
+        # invalid object alone, or a file that stopped parsing, queues no sync.
+        rejections = self.tracker.rejections()
         return {
             "mode": self.dataplane.mode,
             "nftables_layout": self.dataplane.nftables_layout,  # None in other modes
@@ -327,7 +337,7 @@ class Daemon:
             "last_duration": st.last_duration,
             "last_error": one_line(st.last_error) if st.last_error else None,
             "services": res.services if res else 0,
-            "invalid_objects": st.invalid_objects,
+            "invalid_objects": len(rejections),
             "generation": self.tracker.generation,
             "pending": self.loop.pending,
             "last_result": dataclasses.asdict(st.last_result) if st.last_result else None,
@@ -336,14 +346,11 @@ class Daemon:
             "previous_mode": self.previous_mode,
             "previous_nftables_layout": self.previous_layout,
             "last_switch": self.last_switch,
-            # The API source's per-resource resourceVersion, lists, watches, current error.
+            # The API source's per-resource resourceVersion, lists, watches, current error;
+            # the file source's failing files and skipped documents (file, line, error).
             "source": self.source.state() if hasattr(self.source, "state") else None,
-            "rejections": [
-                str(r)
-                for r in (
-                    self.loop.applied_snapshot.rejections if self.loop.applied_snapshot else ()
-                )
-            ],
+            "rejections": [str(r) for r in rejections],
+            "invalid": [r.to_dict() for r in rejections],
         }
 
     def write_status(self) -> None:

@@ -439,6 +439,10 @@ def render(
     `ipvsadm -S -n` form, the ipsets and the iptables rules (ipvs mode). Needs no root and
     no kernel.
 
+    A file of the source that cannot be read or parsed is an error (exit code 2, naming the
+    file and line, nothing printed); an invalid object in a readable file is skipped with a
+    warning naming its field, as `kproxy run` skips it.
+
     Node facts a live sync detects (node IPs, local addresses, --random-fully support, nfacct
     counters, tcp_be_liberal) can be given as options so the output is reproducible on any
     machine; those not given are detected on this machine. Jump rules from the built-in
@@ -448,7 +452,7 @@ def render(
     from kproxy.config import rule_options
     from kproxy.dataplane.registry import RenderArgs, mode_spec
     from kproxy.model.snapshot import snapshot_from_objects
-    from kproxy.sources.files import load_path
+    from kproxy.sources.files import read_path
 
     try:
         _check_layout(nftables_layout)
@@ -470,13 +474,22 @@ def render(
             ),
         )
         try:
-            objects, problems = load_path(source)
+            loaded = read_path(source)
         except FileNotFoundError:
             raise UsageError(f"source not found: {source}") from None
-        for p in problems:
+        if loaded.failed:
+            # Rules without a whole file's objects would look complete and be wrong.
+            for problem in loaded.failed[1:]:
+                typer.secho(f"kproxy: error: {one_line(problem)}", err=True, fg=typer.colors.RED)
+            raise UsageError(
+                f"{one_line(loaded.failed[0])}"
+                + (f" (and {len(loaded.failed) - 1} more files)" if len(loaded.failed) > 1 else "")
+                + "; nothing rendered"
+            )
+        for p in [*loaded.skipped, *loaded.duplicates]:
             typer.secho(f"kproxy: warning: {one_line(p)}", err=True, fg=typer.colors.YELLOW)
-        snapshot = snapshot_from_objects(objects.values(), _node_name(config))
-        del objects  # the raw objects are not needed past the model: gone before the render
+        snapshot = snapshot_from_objects(loaded.objects.values(), _node_name(config))
+        del loaded  # the raw objects are not needed past the model: gone before the render
         for rej in snapshot.rejections:
             typer.secho(
                 f"kproxy: warning: skipping invalid {one_line(rej)}",

@@ -78,6 +78,12 @@ class ChangeTracker:
     def rejected_total(self) -> int:
         return len(self._rejections)
 
+    def rejections(self) -> tuple[Rejection, ...]:
+        """The objects skipped as invalid right now: known as soon as they arrive, before
+        any sync (an invalid object alone changes nothing to sync)."""
+        with self._lock:
+            return tuple(sorted(self._rejections.values(), key=str))
+
     def apply(self, events: Sequence[ObjectEvent]) -> bool:
         """Fold events into the state. Returns True if anything relevant changed."""
         changed = False
@@ -112,6 +118,9 @@ class ChangeTracker:
             return None
         except InvalidObject as err:
             self._reject(ev.key, err)
+            return None
+        except Exception as err:  # a shape the parser did not foresee: this object alone
+            self._reject(ev.key, InvalidObject("", f"cannot be read ({type(err).__name__})"))
             return None
         self._rejections.pop(ev.key, None)
         return parsed
@@ -161,11 +170,8 @@ class ChangeTracker:
         if ev.obj is None:
             self._rejections.pop(ev.key, None)
         else:
-            try:
-                parsed = parse_node(ev.obj)
-                self._rejections.pop(ev.key, None)
-            except InvalidObject as err:
-                self._reject(ev.key, err)
+            parsed = self._parse(ev, parse_node)
+            if parsed is None:
                 return False
         if parsed == self._node:
             return False

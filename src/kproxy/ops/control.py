@@ -103,12 +103,32 @@ def status_command(
     ]
     # Rejections and errors quote object names and file contents: one line each.
     lines += [f"  - {one_line(r)}" for r in st.get("rejections", [])[:20]]
+    lines += _source_problem_lines(st.get("source"))
     if st.get("last_error"):
         lines.append(f"last error:      {one_line(st['last_error'])}")
     if st.get("state_dir_error"):
         lines.append(f"state dir:       {one_line(st['state_dir_error'])}")
     typer.echo("\n".join(lines))
     raise typer.Exit(0 if running else 1)
+
+
+def _source_problem_lines(source: object) -> list[str]:
+    """The file source's failing files and skipped documents, one line each."""
+    if not isinstance(source, dict) or "failing_files" not in source:
+        return []
+
+    def where(p: dict[str, object]) -> str:
+        file = one_line(p.get("file"))
+        return f"{file}:{p['line']}" if p.get("line") else file
+
+    failing = source.get("failing_files") or []
+    skipped = source.get("skipped_documents") or []
+    lines = [f"failing files:   {len(failing)} (each keeps its last good objects)"]
+    lines += [f"  - {where(p)}: {one_line(p.get('error'))}" for p in failing[:20]]
+    if skipped:
+        lines.append(f"skipped documents: {len(skipped)}")
+        lines += [f"  - {where(p)}: {one_line(p.get('error'))}" for p in skipped[:20]]
+    return lines
 
 
 # --- switch --------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ names below are upstream's, in subsystem `kubeproxy`; kproxy's own additions are
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -166,6 +167,12 @@ class ProxyMetrics:
             "Objects skipped as invalid (kind, namespace/name and field are logged)",
             registry=r,
         )
+        self.source_failing_files = Gauge(
+            "kproxy_source_failing_files",
+            "Source files that cannot be read or parsed now (they keep their last good "
+            "objects; file, line and error are in `kproxy status`)",
+            registry=r,
+        )
         self.sync_failures = Counter(
             "kproxy_sync_failures", "Cumulative failed syncs of any mode", ["mode"], registry=r
         )
@@ -223,6 +230,14 @@ class ProxyMetrics:
         for policy in ("internal", "external"):
             self.no_local_endpoints.labels(traffic_policy=policy, ip_family=IP_FAMILY)
         self._trigger_seen: dict[str, float] = {}
+
+    def follow_inputs(
+        self, invalid_objects: Callable[[], int], failing_files: Callable[[], int]
+    ) -> None:
+        """Read the bad-input gauges at scrape time, so they move as soon as the input does
+        (an invalid object alone queues no sync)."""
+        self.invalid_objects.set_function(lambda: float(invalid_objects()))
+        self.source_failing_files.set_function(lambda: float(failing_files()))
 
     def switched(self, from_mode: str, to_mode: str, ok: bool, seconds: float) -> None:
         self.switches.labels(
