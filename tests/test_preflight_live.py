@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kproxy.daemon import Daemon
+from kproxy.dataplane.kernel_dump import KernelDump
 from kproxy.ops.inputs import OpsInputs
 from kproxy.ops.inspect.model import Destination
 from kproxy.ops.preflight import run_preflight
@@ -128,17 +129,21 @@ def test_a_switchs_preflight_leaves_the_backup_to_the_switch(
     assert not (tmp_path / "state").exists()
 
 
-def test_kube_chains_per_backend_by_name_without_a_save(fake: FakeNode) -> None:
+def test_kube_chains_per_backend_by_name_without_a_save(
+    fake: FakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
     chains = {
-        "nftables": [
-            {"metainfo": {"json_schema_version": 1}},
-            {"chain": {"family": "ip", "table": "nat", "name": "KUBE-SERVICES"}},
-            {"chain": {"family": "ip", "table": "nat", "name": "KUBE-SVC-AAAA"}},
-            {"chain": {"family": "ip", "table": "filter", "name": "KUBE-FIREWALL"}},
-            {"chain": {"family": "ip", "table": "kube-proxy", "name": "services"}},
-        ]
+        "nat": ["KUBE-SERVICES", "KUBE-SVC-AAAA"],
+        "filter": ["KUBE-FIREWALL"],
+        "kube-proxy": ["services"],
     }
-    fake.command(["nft", "-j", "list", "chains", "ip"], out=json.dumps(chains))
+    asked: list[str] = []
+
+    def by_table(_dump: object, family: str) -> dict[str, list[str]]:
+        asked.append(family)
+        return chains
+
+    monkeypatch.setattr(KernelDump, "nft_chains_by_table", by_table)
     fake.command(["cat", "/proc/net/ip_tables_names"], out="nat\n")
     fake.command(["iptables-legacy-save"], out="*nat\n:KUBE-SERVICES - [0:0]\nCOMMIT\n")
     result = run_preflight(
@@ -151,7 +156,7 @@ def test_kube_chains_per_backend_by_name_without_a_save(fake: FakeNode) -> None:
     )
     both = next(f for f in result.findings if f.id == "iptables.both-backends")
     assert both.facts == {"nft": ["KUBE-SERVICES", "KUBE-SVC-AAAA"], "legacy": ["KUBE-SERVICES"]}
-    assert ["iptables-nft-save"] not in fake.ran
+    assert asked == ["ip"] and ["iptables-nft-save"] not in fake.ran
 
 
 def test_a_result_survives_its_json(fake: FakeNode) -> None:

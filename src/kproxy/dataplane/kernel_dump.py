@@ -8,7 +8,6 @@ reads the live kernel; preflight's serves the reads it already made
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -63,23 +62,16 @@ class KernelDump:
 
     def iptables_chains(self, flavour: str) -> list[str]:
         """The names of every chain in the flavour's iptables tables, no rule read where
-        the backend allows: iptables-nft's from one `nft -j list chains ip` (at 10,000
-        services the save holds 320,000 rules), legacy's from its save (the kernel hands
-        the whole table over in any case), only when it has a table."""
+        the backend allows: iptables-nft's from one netlink chain dump (nft's own listing
+        would first cache every object of every table, kube-proxy's nft table included),
+        legacy's from its save (the kernel hands the whole table over in any case), only
+        when it has a table."""
         if flavour == "nft":
-            proc = self.run(["nft", "-j", "list", "chains", "ip"])
-            if proc.returncode != 0:
-                return []
-            try:
-                items = json.loads(proc.stdout or "{}").get("nftables", [])
-            except (ValueError, AttributeError):
-                return []
             return [
-                chain["name"]
-                for item in items
-                if isinstance(item, dict)
-                and isinstance(chain := item.get("chain"), dict)
-                and chain.get("table") in IPTABLES_TABLES
+                name
+                for table, names in self.nft_chains_by_table("ip").items()
+                if table in IPTABLES_TABLES
+                for name in names
             ]
         names = self.run(["cat", "/proc/net/ip_tables_names"])
         if names.returncode == 0 and not names.stdout.split():
@@ -90,6 +82,19 @@ class KernelDump:
             for line in save.stdout.splitlines()
             if line.startswith(":") and len(line) > 1
         ]
+
+    def nft_chains_by_table(self, family: str) -> dict[str, list[str]]:
+        """Every chain name of one nftables family, per table (names only, over netlink)."""
+        from kproxy.dataplane.nftables.netlink import NetlinkError, NftNetlink
+
+        try:
+            client = NftNetlink(self.netns, family=family)
+            try:
+                return client.chains_by_table()
+            finally:
+                client.close()
+        except (NetlinkError, OSError, KeyError):
+            return {}
 
     def nft_tables(self) -> TableBackend | None:
         """The nftables tables (and their removal); None: no nft here."""
