@@ -1,10 +1,11 @@
 """Preflight of a switch beside a running kproxy, and the bare tools on the same node.
 
 kproxy runs on a lab node with N services (bench.switch_bench's objects) in the first mode;
-`kproxy preflight --to SECOND --json` is timed from the command line (asking the running
-kproxy, and with --no-daemon the path that reads everything itself), with the per-check
-times it reports. Beside it, in the node's namespace: `nft list table` in text and JSON,
-`nft list tables`, and the service map alone.
+the preflight `kproxy switch --to SECOND` runs (asked of the running kproxy, the backup left
+to the switch) is timed, then `kproxy preflight --to SECOND --json` from the command line
+(asking the running kproxy, and with --no-daemon the path that reads everything itself),
+with the per-check times each reports. Beside it, in the node's namespace: `nft list
+table` in text and JSON, `nft list tables`, and the service map alone.
 
     .venv/bin/python -m bench.preflight_bench [--sizes 1000,3000] [--pairs nftables:iptables]
 """
@@ -54,6 +55,28 @@ def preflight(state_dir: Path, to: str, *extra: str) -> dict[str, object]:
     }
 
 
+def switch_preflight(state_dir: Path, to: str) -> dict[str, object]:
+    """The preflight `kproxy switch` runs (the backup left to the switch), asked directly."""
+    from kproxy.ops.inputs import OpsInputs, running_status
+    from kproxy.ops.preflight.cli import ask_running
+
+    t0 = time.monotonic()
+    inputs = OpsInputs(state_dir)
+    inputs = OpsInputs(state_dir, status=running_status(inputs))
+    result, note = ask_running(inputs, to, backup="switch")
+    wall = time.monotonic() - t0
+    if result is None:
+        return {"wall": round(wall, 2), "error": note}
+    checks = sorted(result.check_seconds.items(), key=lambda kv: -kv[1])
+    return {
+        "wall": round(wall, 2),
+        "seconds": round(result.seconds, 3),
+        "path": result.path,
+        "findings": sorted(f.id for f in result.findings),
+        "top_checks": [(k, round(v, 2)) for k, v in checks[:5]],
+    }
+
+
 def run(n: int, first: str, second: str) -> dict[str, object]:
     with Lab(pods=2, clients=1) as lab, tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -64,6 +87,7 @@ def run(n: int, first: str, second: str) -> dict[str, object]:
         proxy.start(timeout=1800)
         try:
             row: dict[str, object] = {"services": n, "from": first, "to": second}
+            row["switch"] = switch_preflight(proxy.state_dir, second)
             row["live"] = preflight(proxy.state_dir, second)
             row["full"] = preflight(proxy.state_dir, second, "--no-daemon")
             tools = {}
@@ -89,13 +113,18 @@ def main() -> int:
         for pair in args.pairs.split(","):
             first, second = pair.split(":")
             rows.append(run(n, first, second))
-    print("\n| services | switch | preflight live s | preflight full s | same findings |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| services | switch | switch's preflight s | preflight live s | preflight full s"
+        " | same findings |"
+    )
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        live, full = r["live"], r["full"]
-        assert isinstance(live, dict) and isinstance(full, dict)
+        gate, live, full = r["switch"], r["live"], r["full"]
+        assert isinstance(gate, dict) and isinstance(live, dict) and isinstance(full, dict)
         print(
-            f"| {r['services']:,} | {r['from']} → {r['to']} | {live['wall']} ({live['seconds']})"
+            f"| {r['services']:,} | {r['from']} → {r['to']}"
+            f" | {gate['wall']} ({gate.get('seconds')})"
+            f" | {live['wall']} ({live['seconds']})"
             f" | {full['wall']} ({full['seconds']}) | {live['findings'] == full['findings']} |"
         )
     return 0

@@ -58,6 +58,7 @@ class Daemon:
         on the Node (cluster/agent.py); the value is the configured mode, where a removed
         declaration leads back."""
         self.config = config
+        self.config_path = config_path
         self.config_watch = ConfigWatch(config_path, self) if config_path else None
         self.follow_node_from = follow_node_from
         self.agent: ClusterAgent | None = None
@@ -244,6 +245,7 @@ class Daemon:
             status={"ok": True, **self.status()},
             state_dir=self.state_dir or DEFAULT_STATE_DIR,
             config=self.config,
+            config_path=self.config_path,
             node_name=self.node_name,
             live=live,
             backup_at_switch=backup_at_switch,

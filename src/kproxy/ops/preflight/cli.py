@@ -232,7 +232,7 @@ def switch_gate(to: str, inputs: OpsInputs, *, force: bool) -> SwitchGate | None
     mode (the proxy answers that). Raises UsageError for bad arguments."""
     from kproxy.ops.preflight.run import run_preflight
 
-    own_inputs = inputs.config_path or inputs.source
+    own_inputs = inputs.config_path or inputs.source or inputs.netns
     inputs = with_running_proxy(inputs)
     status = inputs.status
     if status is None:
@@ -242,7 +242,7 @@ def switch_gate(to: str, inputs: OpsInputs, *, force: bool) -> SwitchGate | None
         return None
     target = check_mode_name(target)
     result = None
-    if own_inputs is None and inputs.netns is None:
+    if own_inputs is None:
         # The switch records the dataplane itself when it starts: no backup here.
         result, note = ask_running(inputs, target, backup="switch")
         inputs = replace(inputs, notes=(*inputs.notes, note)) if note else inputs
