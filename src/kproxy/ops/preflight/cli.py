@@ -172,9 +172,12 @@ def ask_running(
         why = one_line(str(answer.get("error") or "no result"))
         return None, f"the running kproxy did not run the preflight ({why}): read here instead"
     try:
-        return PreflightResult.from_dict(doc), None
+        result = PreflightResult.from_dict(doc)
     except (KeyError, TypeError, ValueError) as err:
         return None, f"the running kproxy's preflight answer is unreadable ({err}): read here"
+    # It checked its own namespace, which only the caller can name (found from its pid).
+    result.netns = inputs.netns
+    return result, None
 
 
 # --- the switch's gate -----------------------------------------------------------------------
