@@ -144,6 +144,7 @@ def test_kube_chains_per_backend_by_name_without_a_save(
         return chains
 
     monkeypatch.setattr(KernelDump, "nft_chains_by_table", by_table)
+    monkeypatch.setattr(KernelDump, "iptables_tables_exist", lambda _dump, _flavour: True)
     fake.command(["cat", "/proc/net/ip_tables_names"], out="nat\n")
     fake.command(["iptables-legacy-save"], out="*nat\n:KUBE-SERVICES - [0:0]\nCOMMIT\n")
     result = run_preflight(

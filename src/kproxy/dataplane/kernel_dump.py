@@ -67,6 +67,8 @@ class KernelDump:
         legacy's from its save (the kernel hands the whole table over in any case), only
         when it has a table."""
         if flavour == "nft":
+            if not self.iptables_tables_exist("nft"):
+                return []  # an nftables node's own chains would all be dumped for nothing
             return [
                 name
                 for table, names in self.nft_chains_by_table("ip").items()
