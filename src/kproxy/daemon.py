@@ -34,6 +34,7 @@ from kproxy.text import one_line
 
 if TYPE_CHECKING:  # the agent brings the API client: imported only when it runs
     from kproxy.cluster.agent import ClusterAgent
+    from kproxy.ops.preflight.run import PreflightResult
     from kproxy.ops.verify import Collector
 
 log = logging.getLogger("kproxy.daemon")
@@ -59,6 +60,7 @@ class Daemon:
         on the Node (cluster/agent.py); the value is the configured mode, where a removed
         declaration leads back."""
         self.config = config
+        self.config_path = config_path
         self.config_watch = ConfigWatch(config_path, self) if config_path else None
         self.follow_node_from = follow_node_from
         self.agent: ClusterAgent | None = None
@@ -149,6 +151,7 @@ class Daemon:
                 "status": lambda _: {"ok": True, **self.status()},
                 "sync": self._sync_request,
                 "switch": self._switch_request,
+                "preflight": self._preflight_request,
             },
             tcp_address=admin_address,
         )
@@ -235,14 +238,8 @@ class Daemon:
         """This node's preflight of a switch to `target`, for a rollout (cluster/duties.py):
         the same checks as `kproxy preflight --to`, the blocking ones and warnings as lines."""
         from kproxy.ops.preflight.findings import Severity
-        from kproxy.ops.preflight.run import run_preflight
 
-        result = run_preflight(
-            target,
-            status={"ok": True, **self.status()},
-            state_dir=self.state_dir or DEFAULT_STATE_DIR,
-            config=self.config,
-        )
+        result = self.preflight(target, backup_at_switch=True)
 
         def line(f: Any) -> str:
             return f"{f.id}: {f.found}"[:300]
@@ -252,6 +249,47 @@ class Daemon:
             "blocks": [line(f) for f in result.blocking],
             "warnings": [line(f) for f in result.findings if f.severity is Severity.WARN][:10],
         }
+
+    def preflight(self, target: str, *, backup_at_switch: bool) -> PreflightResult:
+        """The preflight of a switch to `target`, from this proxy's own objects, mode and
+        configuration (ops/preflight/live.py): nothing re-read from the source, only the
+        serving mode's destinations read from the kernel."""
+        from kproxy.ops.preflight.live import LiveState, tracker_view
+        from kproxy.ops.preflight.run import run_preflight
+
+        snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
+        live = LiveState(
+            mode=self.dataplane.mode,
+            flavour=self.dataplane.iptables_flavour,
+            snapshot=snapshot,
+            view=tracker_view(*self.tracker.parsed_objects()),
+        )
+        return run_preflight(
+            target,
+            status={"ok": True, **self.status()},
+            state_dir=self.state_dir or DEFAULT_STATE_DIR,
+            config=self.config,
+            config_path=self.config_path,
+            node_name=self.node_name,
+            live=live,
+            backup_at_switch=backup_at_switch,
+        )
+
+    def _preflight_request(self, request: dict[str, object]) -> dict[str, object]:
+        """The admin op `preflight`: {"to": MODE, "backup": "switch" | "write"}; the
+        answer's "result" is the PreflightResult's JSON (the CLI prints it)."""
+        from kproxy.modes import MODES
+
+        to = request.get("to")
+        if not isinstance(to, str) or to not in MODES:
+            return {"ok": False, "error": f"preflight needs 'to': one of {', '.join(MODES)}"}
+        backup = request.get("backup", "write")
+        if backup not in ("switch", "write"):
+            return {"ok": False, "error": "preflight's 'backup' is 'switch' or 'write'"}
+        if not self.first_sync_done.is_set():
+            return {"ok": False, "error": "kproxy is still starting: its first sync is not done"}
+        result = self.preflight(to, backup_at_switch=backup == "switch")
+        return {"ok": True, "result": result.to_dict()}
 
     def verify_collector(self) -> Collector:
         """`kproxy verify`'s sampler, fed from this process (no socket, no HTTP)."""

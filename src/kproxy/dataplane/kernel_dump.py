@@ -58,6 +58,44 @@ class KernelDump:
             return True
         return any(t.family == "ip" and t.name in IPTABLES_TABLES for t in tables)
 
+    def iptables_chains(self, flavour: str) -> list[str]:
+        """The names of every chain in the flavour's iptables tables, no rule read where
+        the backend allows: iptables-nft's from one netlink chain dump (nft's own listing
+        would first cache every object of every table, kube-proxy's nft table included),
+        legacy's from its save (the kernel hands the whole table over in any case), only
+        when it has a table."""
+        if flavour == "nft":
+            if not self.iptables_tables_exist("nft"):
+                return []  # an nftables node's own chains would all be dumped for nothing
+            return [
+                name
+                for table, names in self.nft_chains_by_table("ip").items()
+                if table in IPTABLES_TABLES
+                for name in names
+            ]
+        names = self.run(["cat", "/proc/net/ip_tables_names"])
+        if names.returncode == 0 and not names.stdout.split():
+            return []
+        save = self.run(["iptables-legacy-save"])
+        return [
+            line[1:].split()[0]
+            for line in save.stdout.splitlines()
+            if line.startswith(":") and len(line) > 1
+        ]
+
+    def nft_chains_by_table(self, family: str) -> dict[str, list[str]]:
+        """Every chain name of one nftables family, per table (names only, over netlink)."""
+        from kproxy.dataplane.nftables.netlink import NetlinkError, NftNetlink
+
+        try:
+            client = NftNetlink(self.netns, family=family)
+            try:
+                return client.chains_by_table()
+            finally:
+                client.close()
+        except (NetlinkError, OSError, KeyError):
+            return {}
+
     def nft_tables(self) -> TableBackend | None:
         """The nftables tables (and their removal); None: no nft here."""
         if shutil.which("nft") is None:

@@ -226,4 +226,18 @@ def check_backup(ctx: Context) -> list[Finding]:
     ]
 
 
+def at_switch(ctx: Context) -> Finding:
+    """The backup of a switch run by the proxy: its "before" record (switch.py) is written
+    when the switch starts, before anything changes, so preflight reads nothing for it."""
+    mode = ctx.current_mode or "no"
+    return info(
+        "backup.at-switch",
+        f"the {mode} dataplane is recorded by the running kproxy when the switch starts, "
+        'before anything changes (its "before" snapshot in the state dir)',
+        "restore it by hand if everything else fails (the switch report names the file)",
+        ["kproxy snapshot -o /root/before-switch.json  # a copy of your own, now"],
+        facts={"mode": ctx.current_mode},
+    )
+
+
 CHECKS = (Check("backup", check_backup),)
