@@ -735,6 +735,24 @@ def test_unknown_declared_mode_is_refused_without_switching(
     assert daemon.switches == []
 
 
+def test_a_declared_mode_with_line_breaks_is_echoed_on_one_line(
+    store: KubeApiStore, agent_for: Callable[[FakeDaemon], ClusterAgent]
+) -> None:
+    daemon = FakeDaemon()
+    agent_for(daemon)
+    annotate(store, "ipvs\nWarning ProxyModeSwitched forged\r\x1b[2J" + "x" * 300)
+    wait_until(lambda: node_annotations(store).get(SWITCH_STATE) == "failed")
+    ann = node_annotations(store)
+    for key in (OBSERVED, SWITCH_TARGET, LAST_ERROR):
+        assert ann[key].isprintable() and "\\n" in ann[key], (key, ann[key])
+    assert ann[OBSERVED].startswith("ipvs\\nwarning proxymodeswitched forged\\r\\x1b[2j")
+    assert len(ann[OBSERVED]) < 100  # cut, saying so
+    wait_until(lambda: "ProxyModeSwitchFailed" in event_reasons(store))
+    message = store.recorded("POST", "/events")[-1].body["message"]
+    assert message.isprintable() and "forged" in message
+    assert daemon.switches == []
+
+
 def test_switches_made_elsewhere_are_reported(
     store: KubeApiStore, agent_for: Callable[[FakeDaemon], ClusterAgent]
 ) -> None:

@@ -196,6 +196,35 @@ def test_invalid_object_is_skipped_with_a_warning_naming_the_field(tmp_path: Pat
     assert '"x/good has no endpoints"' in proc.stdout
 
 
+def test_a_source_file_that_does_not_parse_is_an_error_and_nothing_is_rendered(
+    tmp_path: Path,
+) -> None:
+    # It used to warn and exit 0 with rules that silently lacked every object of the file.
+    (tmp_path / "good.yaml").write_text(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: good, namespace: x}\n"
+        "spec: {clusterIP: 10.96.0.30, ports: [{port: 80}]}\n"
+    )
+    (tmp_path / "bad.yaml").write_text("kind: Service\nmetadata:\n  name: b\n  labels: [x\n")
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    proc = kproxy("render", "--source", str(tmp_path), *FACTS)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"{tmp_path / 'bad.yaml'}:" in proc.stderr and "invalid YAML" in proc.stderr
+    assert f"{tmp_path / 'deep.yaml'}:1: refused: nested more than" in proc.stderr
+    assert "nothing rendered" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_render_warnings_about_invalid_objects_stay_on_one_line(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text(
+        'apiVersion: v1\nkind: Service\nmetadata: {name: "a\\nkproxy: warning: forged"}\n'
+        "spec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}\n"
+    )
+    proc = kproxy("render", "--source", str(tmp_path), *FACTS)
+    assert proc.returncode == 0
+    forged = [line for line in proc.stderr.splitlines() if "forged" in line]
+    assert any(line.startswith("kproxy: warning: skipping invalid") for line in forged)
+    assert all("a\\nkproxy: warning: forged" in line for line in forged)
+
+
 @pytest.mark.parametrize(
     "command", [[], ["run"], ["render"], ["cleanup"], ["lab"], ["demo"], ["rollout"]]
 )

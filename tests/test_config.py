@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -25,6 +27,8 @@ from kproxy.config import (
     parse_duration_ns,
     rule_options,
 )
+from kproxy.config.addresses import is_interface_name, parse_host_port, parse_ip, parse_port
+from kproxy.config.durations import check_seconds, parse_positive_duration
 from kproxy.dataplane.facts import RuleOptions
 
 HEADER = f"apiVersion: {API_VERSION}\nkind: {KIND}\n"
@@ -796,3 +800,74 @@ def test_model_copy_and_equality_ignore_source() -> None:
     b = ProxyConfig(mode="ipvs")
     assert a == b and a.source != b.source
     assert a.model_copy(update={"mode": "iptables"}) != a
+
+
+# --- values checked alike in the file, the flags and the other commands' options ----------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        ({"iptables-masquerade-bit": "32"}, "--iptables-masquerade-bit: iptables.masqueradeBit:"),
+        ({"cluster-cidr": "10.0.0.0"}, "--cluster-cidr: clusterCIDR: Invalid value"),
+        ({"nodeport-addresses": "10.0.0.1"}, "--nodeport-addresses: nodePortAddresses[0]:"),
+        ({"masquerade-all": "true", "iptables-sync-period": "-1s"}, "--iptables-sync-period: "),
+        ({"healthz-port": "65536"}, "--healthz-port: Invalid value: '65536': must be a port"),
+        ({"kube-api-qps": "inf"}, "--kube-api-qps: Invalid value: 'inf': must be a finite"),
+        ({"hostname-override": "Node_1"}, "--hostname-override: hostnameOverride: Invalid"),
+    ],
+)
+def test_a_problem_a_flag_made_names_the_flag(flags: dict[str, str], problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        apply_flags(ProxyConfig(), flags)
+    assert any(p.startswith(problem) for p in info.value.problems), info.value.problems
+
+
+@pytest.mark.parametrize(
+    "name", ["br\n-A KUBE-X", 'cbr0"', "veth'", "a b", "a/b", "a:b", "x" * 16, ".", "é", "a\\b"]
+)
+def test_interface_names_that_no_rule_can_carry_are_refused(name: str) -> None:
+    for key in ("bridgeInterface", "interfaceNamePrefix"):
+        found = one_problem(f"detectLocal:\n  {key}: {json.dumps(name)}\n")
+        assert found.startswith(f"detectLocal.{key}: Invalid value: {name!r}"), found
+
+
+def test_interface_names_and_prefixes_in_use_are_accepted() -> None:
+    for name in ("cbr0", "cni0", "veth", "lxc", "eth0.100", "x" * 15, "br-a1b2c3d4e5f6"):
+        assert is_interface_name(name), name
+    cfg = parse("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}\n")
+    assert cfg.detect_local.interface_name_prefix == "veth"
+
+
+def test_hostname_override_must_be_a_node_name() -> None:
+    assert parse("hostnameOverride: Node-1.Example\n").hostname_override == "Node-1.Example"
+    found = one_problem('hostnameOverride: "node\\n1"\n')
+    assert found.startswith("hostnameOverride: Invalid value: 'node\\n1'"), found
+
+
+@pytest.mark.parametrize(
+    ("check", "good", "bad", "why"),
+    [
+        (parse_ip, ["10.0.0.1", "::1", "fd00::1"], ["999.1.1.1", "", "[::1]"], "not an IP"),
+        (parse_ip, [], ["fe80::1%eth0"], "no zone"),
+        (parse_port, ["1", "65535"], ["0", "65536", "-1", "http", "٣"], "not a port"),
+        (parse_host_port, ["127.0.0.1:1", "[::1]:80"], ["::1:80", "x:80", "1.2.3.4"], "IP"),
+        (parse_positive_duration, ["1s", "1.5m"], ["0s", "-1s"], "must be more than 0"),
+        (check_seconds, [0.1, 60], [0, -1, float("nan"), float("inf")], "not a number of"),
+    ],
+)
+def test_value_checks(check: Any, good: list[Any], bad: list[Any], why: str) -> None:
+    for value in good:
+        check(value)
+    for value in bad:
+        with pytest.raises(ValueError, match=why):
+            check(value)
+
+
+@given(st.text(max_size=20))
+def test_the_value_checks_raise_only_value_error(text: str) -> None:
+    for check in (parse_ip, parse_port, parse_host_port, parse_positive_duration):
+        try:
+            check(text)
+        except ValueError as err:
+            assert str(err).isprintable()

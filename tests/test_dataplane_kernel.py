@@ -1,4 +1,5 @@
-"""Real packets through kproxy on a lab node, for every mode (and iptables backend) built.
+"""Real packets through kproxy on a lab node, for every mode (and iptables backend, and
+nftables layout) built.
 
 Each test writes Kubernetes objects into a source folder, runs `kproxy run` inside the lab's
 node namespace and sends TCP/UDP from client, pod or node namespaces. New modes join by
@@ -38,6 +39,7 @@ DATAPLANES = [
     ("iptables", "nft"),
     ("iptables", "legacy"),
     ("nftables", ""),
+    ("nftables", "compact"),  # nftables mode in kproxy's compact layout
     ("userspace", "nft"),
     ("userspace", "legacy"),
 ]
@@ -55,7 +57,7 @@ def env(request: pytest.FixtureRequest, lab: Lab, tmp_path: Path) -> Iterator[En
         lab,
         source,
         config=config,
-        args=["--iptables-backend", backend] if backend else [],
+        args=variant_args(mode, backend),
         workdir=tmp_path / "kproxy",
     )
     e = Env(lab, source, proxy, mode, backend, config)
@@ -63,6 +65,17 @@ def env(request: pytest.FixtureRequest, lab: Lab, tmp_path: Path) -> Iterator[En
         yield e
     finally:
         proxy.stop()
+
+
+def variant_args(mode: str, variant: str) -> list[str]:
+    """The second of a DATAPLANES pair: the iptables backend, or nftables mode's layout."""
+    if not variant:
+        return []
+    return ["--nftables-layout" if mode == "nftables" else "--iptables-backend", variant]
+
+
+def nft_table(env: Env) -> str:
+    return "kproxy-compact" if env.backend == "compact" else "kube-proxy"
 
 
 def wait_until(check: Callable[[], bool], timeout: float) -> float:
@@ -245,7 +258,13 @@ def test_add_change_delete_are_live_within_two_seconds(env: Env) -> None:
     )
 
 
-def test_udp_flow_moves_off_a_removed_endpoint(env: Env) -> None:
+def test_udp_flow_moves_off_a_removed_endpoint(env: Env, request: pytest.FixtureRequest) -> None:
+    if env.plane == "nftables-compact":
+        # A known bug of the compact layout: a shared chain's `dnat to … map` gets an implicit
+        # `meta l4proto tcp` from nft (the map's value is typed `tcp dport`), so a UDP-only
+        # service is never DNATed. Strict: this fails once the layout is fixed.
+        reason = "compact layout: nft adds `meta l4proto tcp` to the shared chains' DNAT"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     write(
         env.source / "dns.yaml",
         service("dns", "10.96.0.53", [port("dns", 53, 8080, protocol="UDP")]),
@@ -342,7 +361,7 @@ def test_rules_flushed_by_someone_else_come_back(env: Env) -> None:
         env.lab.exec(env.lab.node_ns, [f"iptables-{env.backend}", "-t", "nat", "-F"])
         env.lab.exec(env.lab.node_ns, [f"iptables-{env.backend}", "-t", "nat", "-X"])
     else:
-        env.lab.exec(env.lab.node_ns, ["nft", "delete", "table", "ip", "kube-proxy"])
+        env.lab.exec(env.lab.node_ns, ["nft", "delete", "table", "ip", nft_table(env)])
     assert not client.request(proto="tcp", dst="10.96.0.10", port=80, timeout=0.3).ok
     # Drift is seen (canary chain / table gone): the next periodic sync is full and restores.
     wait_until(lambda: client.request(proto="tcp", dst="10.96.0.10", port=80, timeout=0.3).ok, 5.0)
@@ -496,7 +515,7 @@ def test_snapshot_and_diff_see_what_the_kernel_programs(env: Env, tmp_path: Path
 def rules(env: Env) -> list[str]:
     """Our rules in the node, without counters (for before/after comparisons)."""
     if env.mode == "nftables":
-        out = env.lab.exec(env.lab.node_ns, ["nft", "list", "table", "ip", "kube-proxy"]).stdout
+        out = env.lab.exec(env.lab.node_ns, ["nft", "list", "table", "ip", nft_table(env)]).stdout
         return [line.strip() for line in out.splitlines() if "counter" not in line]
     tool = f"iptables-{env.backend}-save"
     out = env.lab.exec(env.lab.node_ns, [tool]).stdout

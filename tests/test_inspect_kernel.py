@@ -27,7 +27,13 @@ from tests.support.scenario import HTTP, PODS, SLICE, scenario_objects
 pytestmark = pytest.mark.kernel
 
 # The modes this inspector reads (ipvs and userspace readers come later).
-DATAPLANES = [("iptables", "nft"), ("iptables", "legacy"), ("nftables", "")]
+# (mode, iptables backend or nftables layout)
+DATAPLANES = [
+    ("iptables", "nft"),
+    ("iptables", "legacy"),
+    ("nftables", ""),
+    ("nftables", "compact"),
+]
 
 
 @dataclass
@@ -39,7 +45,7 @@ class Node:
 
     @property
     def plane(self) -> str:
-        return f"iptables-{self.backend}" if self.mode == "iptables" else self.mode
+        return f"{self.mode}-{self.backend}" if self.backend else self.mode
 
     def list(self, **kwargs: object) -> ListingResult:
         return list_services(self.lab.node_ns, **kwargs)  # type: ignore[arg-type]
@@ -77,7 +83,11 @@ def node(
             lab,
             source,
             config=config,
-            args=["--iptables-backend", backend] if backend else [],
+            args=(
+                [f"--{'nftables-layout' if mode == 'nftables' else 'iptables-backend'}", backend]
+                if backend
+                else []
+            ),
             workdir=work / "kproxy",
         )
         proxy.start()

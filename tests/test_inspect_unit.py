@@ -482,6 +482,98 @@ def test_nftables_trace_text_and_json() -> None:
     assert dp["outcomes"][0]["dnat"] == "10.244.0.3:8080" and dp["outcomes"][0]["steps"]
 
 
+# --- the compact nftables layout (recorded from the same scenario) -----------------------------
+
+
+def compact(**extra: object) -> RecordedSource:
+    kwargs: dict[str, object] = {
+        "dumps": {"nftables-compact": dumps.NFT_COMPACT_JSON},
+        "ip_addr": dumps.IP_ADDR,
+        "conntrack": dumps.NFT_COMPACT_CONNTRACK,
+    }
+    kwargs.update(extra)
+    return RecordedSource(**kwargs)  # type: ignore[arg-type]
+
+
+def test_compact_list_reads_endpoints_from_the_slot_maps() -> None:
+    (dp,) = list_services(source=compact()).dataplanes
+    assert (dp.dataplane, dp.mode, dp.live) == ("nftables-compact", "nftables", True)
+    assert "table ip kproxy-compact" in dp.detail
+    web = dp.server("tcp", "10.96.0.10", 80)
+    assert web is not None and web.kind == "ClusterIP" and web.scheduler == "numgen"
+    # the shared chain names no service: the map element's comment does
+    assert web.chain == "dnat/internal/3" and web.service == "default/web:http"
+    assert dp.service_names == list_services(source=nft()).dataplanes[0].service_names
+    assert [rs.addr for rs in web.endpoints] == [f"{ip}:8080" for ip in PODS]
+    assert [rs.chain for rs in web.endpoints] == [
+        f"dnat/internal/3 @service-endpoints[{i}]" for i in range(3)
+    ]
+    assert [round(rs.share or 0, 3) for rs in web.endpoints] == [0.333] * 3
+    assert sum(rs.inactive for rs in web.endpoints) == 6  # conntrack, as in upstream's layout
+    # ClientIP affinity keeps upstream's per-service chains (named)
+    aff = dp.server("tcp", "10.96.0.12", 80)
+    assert aff is not None and aff.persistent == 60 and aff.service == "default/aff:http"
+    lb = dp.server("tcp", "10.99.1.10", 80)
+    assert lb is not None and lb.kind == "LoadBalancer" and lb.source_ranges == (CLIENT,)
+    empty = dp.server("tcp", "10.96.0.99", 80)
+    assert empty is not None and empty.verdict == REJECT and empty.service == "default/empty:http"
+    # Local policy: outside traffic picks the local slots (after the cluster ones)
+    loc = dp.server("tcp", NODE_IP, 30082)
+    assert loc is not None and loc.kind == "NodePort" and loc.local_only
+    assert [(rs.addr, rs.chain) for rs in loc.endpoints] == [
+        ("10.244.0.2:8080", "dnat/nodeport-local/2/1 @nodeport-endpoints[2]")
+    ]
+    remote = dp.server("tcp", NODE_IP, 30083)
+    assert remote is not None and remote.verdict == DROP and not remote.endpoints
+
+
+def test_compact_destinations_are_the_upstream_layouts() -> None:
+    from kproxy.ops.inspect.destinations import missing_destinations, programmed
+
+    got = programmed(compact())
+    assert list(got) == ["nftables-compact"]
+    assert got["nftables-compact"] == programmed(nft())["nftables"]  # names included
+    assert missing_destinations(snapshot(), got["nftables-compact"])[0] == []
+
+
+def test_compact_trace_walks_the_shared_chain_and_the_slot_map() -> None:
+    result = trace(CLIENT, "10.96.0.10", 80, source=compact())
+    assert [d.dataplane for d in result.dataplanes] == ["nftables-compact"]
+    outcomes = result.outcomes
+    assert result.destinations() == {f"{ip}:8080" for ip in PODS}
+    assert [round(o.probability or 0, 3) for o in outcomes] == [0.333] * 3
+    assert all(o.masquerade for o in outcomes)
+    steps = outcomes[1].steps
+    actions = [s.action for s in steps]
+    assert (
+        "@service-ips: element 10.96.0.10 . tcp . 80 (default/web:http) : goto dnat/internal/3"
+        in actions
+    )
+    (pick,) = [s for s in steps if s.chain == "dnat/internal/3" and "numgen" in s.action]
+    assert pick.text.startswith("dnat to ip daddr . meta l4proto . th dport . numgen random mod 3")
+    assert pick.action == (
+        "numgen = 1 (probability 1/3): @service-endpoints element 10.96.0.10 . tcp . 80 . 1 : "
+        "DNAT to 10.244.0.3:8080"
+    )
+    assert "only table ip kproxy-compact is evaluated" in result.text()
+    (loc,) = trace(CLIENT, NODE_IP, 30082, source=compact()).outcomes
+    assert loc.dnat == "10.244.0.2:8080" and loc.masquerade is False
+    (rej,) = trace(CLIENT, "10.96.0.99", 80, source=compact()).outcomes
+    assert rej.verdict == REJECT and rej.service == "default/empty:http"
+    assert {o.service for o in outcomes} == {"default/web:http"}
+    (o,) = trace(CLIENT, "10.96.0.12", 80, source=compact()).outcomes
+    assert o.dnat == dumps.NFT_COMPACT_AFFINITY_ENDPOINT
+
+
+def test_a_switch_between_the_layouts_is_mid_switch() -> None:
+    both_layouts = compact(nft=dumps.NFT_JSON)
+    result = list_services(source=both_layouts)
+    assert [d.dataplane for d in result.dataplanes] == ["nftables", "nftables-compact"]
+    assert result.mid_switch
+    only = list_services(source=compact(nft=dumps.NFT_JSON), mode="nftables-compact")
+    assert [d.dataplane for d in only.dataplanes] == ["nftables-compact"]
+
+
 # --- drift -------------------------------------------------------------------------------------
 
 

@@ -126,3 +126,89 @@ def test_startup_removes_other_modes_leftovers(lab: Lab, tmp_path: Path) -> None
         )
     finally:
         proxy.stop()
+
+
+def test_a_flavour_without_tables_costs_one_look(tmp_path: Path) -> None:
+    """No iptables table of a flavour: the scan reads no save of it (a save of a big
+    ruleset costs seconds, and legacy's would create the tables); one table: it does."""
+    import subprocess
+    import uuid
+
+    from kproxy.dataplane.kernel_dump import KernelDump
+
+    ns = f"kp-lo-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        dump = KernelDump(ns, state_dir=tmp_path)
+        assert dump.iptables("nft") is None and dump.iptables("legacy") is None
+        names = subprocess.run(
+            ["ip", "netns", "exec", ns, "cat", "/proc/net/ip_tables_names"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert names.stdout.split() == []  # the look created no legacy table
+        subprocess.run(
+            ["ip", "netns", "exec", ns, "iptables-nft", "-t", "nat", "-N", "KUBE-SERVICES"],
+            check=True,
+        )
+        assert dump.iptables("nft") is not None and dump.iptables("legacy") is None
+        subprocess.run(
+            ["ip", "netns", "exec", ns, "iptables-legacy", "-t", "nat", "-N", "KUBE-SERVICES"],
+            check=True,
+        )
+        assert dump.iptables("legacy") is not None
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+@pytest.mark.parametrize(
+    ("layout", "left_over"),
+    [("upstream", ["ip kproxy-compact"]), ("compact", ["ip kube-proxy", "ip6 kube-proxy"])],
+)
+def test_nftables_mode_removes_the_other_layouts_table(
+    lab: Lab, tmp_path: Path, layout: str, left_over: list[str]
+) -> None:
+    """nftables mode in one layout: the other layout's table is a leftover (each has its
+    own table), its own table and other software's stay."""
+    ns = lab.node_ns
+
+    def sh(*argv: str, input: str | None = None) -> str:
+        return lab.exec(ns, list(argv), input=input).stdout
+
+    sh("nft", "-f", "-", input="add table inet foreign\n")
+    for table in left_over:
+        sh("nft", "add", "table", *table.split())
+        sh("nft", "add", "chain", *table.split(), "services")
+    src = tmp_path / "objects"
+    src.mkdir()
+    write(src / "node.yaml", node())
+    write(
+        src / "web.yaml",
+        service("web", "10.96.0.10", [port("http", 80, 8080)]),
+        endpoint_slice("web", [endpoint("10.244.0.2")], [port("http", 8080)]),
+    )
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG + "mode: nftables\n")
+    proxy = ProxyProcess(
+        lab, src, config=cfg, args=["--nftables-layout", layout], workdir=tmp_path / "kp"
+    )
+    proxy.start()
+    try:
+        import time
+
+        deadline = time.monotonic() + 10
+        while proxy.status().get("leftovers_removed") is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        removed = proxy.status()["leftovers_removed"]
+        assert sorted(r.split(": ")[0].split(" ", 2)[2] for r in removed) == left_over, removed
+        tables = set(sh("nft", "list", "tables").splitlines())
+        own = "table ip kproxy-compact" if layout == "compact" else "table ip kube-proxy"
+        assert tables == {"table inet foreign", own}, tables
+        assert proxy.status()["nftables_layout"] == layout
+        assert (
+            lab.agent(lab.client_ns[0]).request(proto="tcp", dst="10.96.0.10", port=80).pod
+            == "pod1"
+        )
+    finally:
+        proxy.stop()

@@ -219,3 +219,79 @@ def test_conntrack_and_ipvs_object_gauges(monkeypatch: pytest.MonkeyPatch, tmp_p
     count.unlink()  # conntrack not loaded: NaN, not a crash
     values = {s.name: s.value for fam in families(m).values() for s in fam.samples}
     assert values["kproxy_conntrack_entries"] != values["kproxy_conntrack_entries"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _raw_http(port: int, data: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"garbage\r\n\r\n", b"400"),
+        (b"\xff\xfe\x00\x01 / HTTP/1.0\r\n\r\n", b"501"),
+        (b"GET /" + b"a" * 70_000 + b" HTTP/1.0\r\n\r\n", b"414"),
+        (b"GET /healthz HTTP/1.0\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", b"431"),
+        (b"GET /healthz HTTP/1.0\r\n" + b"X: a\r\n" * 101 + b"\r\n", b"431"),
+        (b"GET /\x1b[2J\xc3\xa9 HTTP/1.0\r\n\r\n", b"404"),
+    ],
+    ids=["garbage", "binary", "huge-line", "huge-header", "many-headers", "escapes"],
+)
+def test_bad_http_requests_are_answered_and_logged_in_one_line(
+    request_bytes: bytes, status: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = _free_port()
+    server = health_server(f"127.0.0.1:{port}", HealthState(60), ProxyMetrics("iptables"), True)
+    server.start()
+    try:
+        with caplog.at_level("DEBUG", logger="kproxy.server"):
+            answer = _raw_http(port, request_bytes)
+            # A request line without a version is answered the HTTP/0.9 way: no status line.
+            shown = answer.startswith(b"HTTP/1.0 " + status) or b"code: " + status in answer
+            assert shown, answer[:300]
+            # The server goes on serving.
+            assert json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/livez").read())
+    finally:
+        server.stop()
+    for record in caplog.records:
+        message = record.getMessage()
+        assert "\n" not in message and "\x1b" not in message and "\r" not in message, message
+
+
+def test_a_silent_http_client_is_dropped_after_the_timeout_and_blocks_no_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+    import time
+
+    from kproxy.server.http import RequestHandler
+
+    monkeypatch.setattr(RequestHandler, "timeout", 1.0)
+    port = _free_port()
+    server = metrics_server(f"127.0.0.1:{port}", ProxyMetrics("iptables"), lambda: "x", True)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            silent.sendall(b"GET /heal")  # and nothing more
+            start = time.monotonic()
+            assert urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz").read() == b"ok"
+            assert time.monotonic() - start < 1.0
+            assert silent.recv(100) == b""  # closed by the server after its timeout
+            assert time.monotonic() - start < 5.0
+    finally:
+        server.stop()

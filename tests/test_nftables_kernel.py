@@ -434,6 +434,10 @@ def test_netlink_table_listing_matches_nft(netns: str) -> None:
 
 
 def test_drifted_and_cleanup_touch_only_our_tables(netns: str, layout: str) -> None:
+    """A dataplane's own tables are its layout's: the other layout's table (the other side
+    of a switch between them) stays."""
+    other = next(t for lay, t in TABLES.items() if lay != layout)
+    nft(netns, "add", "table", "ip", other)
     nft(
         netns,
         "-f",
@@ -450,13 +454,15 @@ def test_drifted_and_cleanup_touch_only_our_tables(netns: str, layout: str) -> N
     dp = NftablesDataplane(FACTS, OPTIONS, netns=netns, layout=layout)
     dp.sync(tracker(3).snapshot(), full=True)
     owned = sorted(o.name for o in dp.owned())
-    assert owned == sorted([f"ip {TABLES[layout]}", "ip6 kube-proxy"])
+    own = {"upstream": ["ip kube-proxy", "ip6 kube-proxy"], "compact": ["ip kproxy-compact"]}
+    assert owned == own[layout]
     assert sorted(o.name for o in dp.cleanup(dry_run=True)) == owned
     assert NftBackend(netns=netns).table_exists("ip", dp.table)
     assert not dp.drifted()
     dp.cleanup()
     tables = {str(t) for t in NftBackend(netns=netns).tables()}
-    assert tables == {"inet filter", "ip nat", "ip kproxy-anchor"}
+    others = {"ip kproxy-compact"} if layout == "upstream" else {"ip kube-proxy", "ip6 kube-proxy"}
+    assert tables == {"inet filter", "ip nat", "ip kproxy-anchor", *others}
     assert "tcp dport 22 accept" in nft(netns, "list", "table", "inet", "filter")
     assert dp.owned() == []
     dp.sync(tracker(3).snapshot(), full=True)

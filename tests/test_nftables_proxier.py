@@ -309,6 +309,25 @@ def test_full_sync_after_restart_adopts_elements() -> None:
     assert not [line for line in lines if "chain ip kube-proxy endpoint-" in line]
 
 
+def test_restart_rewrites_an_endpoint_chain_left_empty() -> None:
+    """A proxy killed after flushing a stale endpoint chain and before deleting it leaves
+    the chain empty; if its endpoint is back when the next proxy starts, reusing the chain
+    would send the service's traffic nowhere."""
+    w = World(services=4)
+    w.sync(full=True)
+    chain = next(c for c in w.backend.table.chains if c.startswith("endpoint-"))
+    w.backend.table.apply(f"flush chain ip kube-proxy {chain}\n")
+    restarted = NftablesDataplane(
+        FACTS, OPTIONS, backend=w.backend, clock=w.clock, keep_last_write=True
+    )
+    restarted.sync(w.tracker.snapshot(), full=False)
+    assert w.backend.table.chains[chain].rules
+    assert restarted.last_write is not None
+    lines = restarted.last_write.tx.lines
+    rewritten = [ln for ln in lines if "chain ip kube-proxy endpoint-" in ln]
+    assert rewritten and all(chain in ln for ln in rewritten), rewritten
+
+
 # --------------------------------------------------------------------------- planning
 
 

@@ -128,6 +128,23 @@ def test_a_failed_switch_trips_the_node_breaker_and_sends_it_back() -> None:
     assert "Node/n2 BreakerTripped" in c.events
 
 
+def test_a_nodes_error_text_reaches_the_status_and_events_on_one_line() -> None:
+    c = cluster(count=2, stages=[{"nodes": "100%", "maxParallel": "2"}])
+    c.nodes["n2"].fail_to = "nftables"
+    c.nodes["n2"].fail_error = "boom\nPhase: Succeeded\x1b[2J"
+    messages: list[str] = []
+    for _ in range(200):
+        out = c.step()
+        messages += [e.message for e in out.events]
+        if c.status is not None and c.status.phase in (*st.TERMINAL, st.PAUSED):
+            break
+    assert c.status is not None and c.status.phase in (st.FAILED, st.PAUSED)
+    texts = [c.status.message, c.status.node("n2").last_error, c.status.node("n2").reason]
+    texts += [b.message for b in c.status.breakers] + messages
+    assert any("boom\\nPhase: Succeeded\\x1b[2J" in t for t in texts), texts
+    assert all(t.isprintable() for t in texts), texts
+
+
 def test_a_node_that_degrades_after_its_switch_is_rolled_back_during_soak() -> None:
     c = cluster(
         count=2,

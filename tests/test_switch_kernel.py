@@ -50,6 +50,13 @@ def start(lab: Lab, tmp_path: Path, mode: str, *args: str) -> ProxyProcess:
 
 
 def switch(proxy: ProxyProcess, to: str) -> dict:
+    """to: a mode, "previous", or "nftables-compact" / "nftables-upstream" (nftables mode
+    in that layout: `--to nftables --nftables-layout L`)."""
+    mode, _, layout = to.partition("-")
+    if mode == "nftables" and layout:
+        to, extra = mode, ["--nftables-layout", layout]
+    else:
+        extra = []
     out = subprocess.run(
         [
             sys.executable,
@@ -58,6 +65,7 @@ def switch(proxy: ProxyProcess, to: str) -> dict:
             "switch",
             "--to",
             to,
+            *extra,
             "--json",
             "--state-dir",
             str(proxy.state_dir),
@@ -78,15 +86,41 @@ def kernel_state(lab: Lab) -> tuple[bool, bool]:
 
 
 def live_modes(lab: Lab) -> set[str]:
+    """The dataplanes in the node: modes, and nftables mode's compact layout by its name."""
     nat = lab.exec(lab.node_ns, ["iptables-nft-save", "-t", "nat"]).stdout
     modes = set()
     if "-A PREROUTING" in nat and "-j KUBE-SERVICES" in nat:
         modes.add("iptables")
     if "-j KUBE-PORTALS-CONTAINER" in nat:
         modes.add("userspace")
-    if "kube-proxy" in lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout:
+    tables = lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout.splitlines()
+    if "table ip kube-proxy" in tables:
         modes.add("nftables")
+    if "table ip kproxy-compact" in tables:
+        modes.add("nftables-compact")
     return modes
+
+
+def target(report: dict) -> str:
+    """The dataplane a switch report went to ("nftables-compact" for that layout)."""
+    to = report["to_mode"]
+    return f"{to}-compact" if report.get("to_layout") == "compact" else to
+
+
+# A path through the modes, and nftables mode's compact layout to and from each of them and
+# upstream's layout, both ways; ipvs is switched in UML (tests/uml/test_switch_ipvs.py).
+PATH = (
+    "nftables",
+    "userspace",
+    "iptables",
+    "nftables-compact",
+    "nftables-upstream",
+    "nftables-compact",
+    "userspace",
+    "nftables-compact",
+    "iptables",
+    "previous",
+)
 
 
 def test_switch_through_every_mode_under_load_fails_nothing(lab: Lab, tmp_path: Path) -> None:
@@ -100,16 +134,23 @@ def test_switch_through_every_mode_under_load_fails_nothing(lab: Lab, tmp_path: 
     reports = []
     try:
         time.sleep(0.5)
-        for to in ("nftables", "userspace", "iptables", "previous"):
+        for to in PATH:
             report = switch(proxy, to)
             assert report["ok"], report
             reports.append(report)
-            assert live_modes(lab) == {report["to_mode"]}, (report["to_mode"], live_modes(lab))
+            assert live_modes(lab) == {target(report)}, (target(report), live_modes(lab))
+            status = proxy.status()
+            assert (status["mode"], status["nftables_layout"]) == (
+                report["to_mode"],
+                report["to_layout"],
+            )
             time.sleep(0.5)
     finally:
         result = load.stop()
         proxy.stop()
-    assert [r["to_mode"] for r in reports] == ["nftables", "userspace", "iptables", "userspace"]
+    # "previous" goes back to nftables mode in the layout it had
+    went = [to.removesuffix("-upstream") for to in PATH[:-1]]
+    assert [target(r) for r in reports] == [*went, "nftables-compact"]
     assert result.fresh_sent > 100 and result.pings_sent > 50 and result.udp_sent > 20, (
         result.summary()
     )

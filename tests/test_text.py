@@ -33,3 +33,18 @@ def test_formatter_keeps_a_forged_line_in_its_own(caplog: object) -> None:
     record = logging.LogRecord("kproxy", logging.WARNING, "", 0, "bad %s", ("web\nE forged",), None)
     out = OneLineFormatter("%(levelname).1s %(message)s").format(record)
     assert out == "W bad web\\nE forged"
+
+
+def test_log_to_stderr_keeps_every_record_on_one_line() -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import logging; from kproxy.text import log_to_stderr; "
+        "log_to_stderr(logging.INFO, '%(levelname).1s %(message)s'); "
+        "logging.getLogger('kproxy').warning('skipping %s', 'web\\nE forged')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert proc.stderr == "W skipping web\\nE forged\n"

@@ -100,6 +100,10 @@ def snapshot(
         json.dump(take(), sys.stdout, indent=1)
         sys.stdout.write("\n")
         return
+    try:
+        output.open("w").close()  # a path that cannot be written is a usage error
+    except OSError as err:
+        raise fail(f"--output {output}: cannot write it: {err.strerror or err}") from None
     write_node_snapshot(output)
     found = programmed_in(json.loads(output.read_text()))
     summary = ", ".join(f"{name}: {len(keys)} service destinations" for name, keys in found.items())
@@ -122,8 +126,11 @@ def diff(
             doc = json.loads(path.read_text())
         except (OSError, ValueError) as err:
             raise fail(f"cannot read snapshot {path}: {err}") from None
+        if not isinstance(doc, dict):
+            raise fail(f"{path} is not a kproxy snapshot (not a JSON object)")
         if doc.get("format") != FORMAT:
-            raise fail(f"{path} is not a kproxy snapshot (format {doc.get('format')!r})")
+            shown = repr(doc.get("format"))[:80]  # repr: printable, one line
+            raise fail(f"{path} is not a kproxy snapshot (format {shown})")
         docs.append(doc)
     lines = compare(*docs)
     typer.echo("\n".join(lines))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 from pathlib import Path
@@ -29,9 +30,11 @@ from kproxy.sources.files import FileSource
 from kproxy.switch import ModeSwitcher
 from kproxy.sync import ProxyLoop
 from kproxy.sysctl import set_sysctl
+from kproxy.text import one_line
 
 if TYPE_CHECKING:  # the agent brings the API client: imported only when it runs
     from kproxy.cluster.agent import ClusterAgent
+    from kproxy.ops.preflight.run import PreflightResult
     from kproxy.ops.verify import Collector
 
 log = logging.getLogger("kproxy.daemon")
@@ -57,6 +60,7 @@ class Daemon:
         on the Node (cluster/agent.py); the value is the configured mode, where a removed
         declaration leads back."""
         self.config = config
+        self.config_path = config_path
         self.config_watch = ConfigWatch(config_path, self) if config_path else None
         self.follow_node_from = follow_node_from
         self.agent: ClusterAgent | None = None
@@ -73,7 +77,14 @@ class Daemon:
         apply_conntrack_config(config)
         apply_oom_score(config.oom_score_adj)
 
-        def make(mode: str) -> Dataplane:
+        # nftables mode's layout when a switch names none (the one this kproxy was started
+        # with); a switch may name the other (dataplane/nftables/layouts.py).
+        self.nftables_layout = nftables_layout
+
+        def make(target: str) -> Dataplane:
+            from kproxy.dataplane.nftables.layouts import parse_target
+
+            mode, layout = parse_target(target)
             return create_dataplane(
                 mode,
                 options=rule_options(self.config.model_copy(update={"mode": mode})),
@@ -81,7 +92,7 @@ class Daemon:
                 iptables_backend_choice=iptables_backend,
                 state_dir=state_dir,
                 port_range=config.port_range,
-                nftables_layout=nftables_layout,
+                nftables_layout=layout or nftables_layout,
             )[0]
 
         self.dataplane, facts = create_dataplane(
@@ -95,6 +106,7 @@ class Daemon:
         )
         self.switcher = ModeSwitcher(make_dataplane=make, state_dir=state_dir)
         self.previous_mode: str | None = None
+        self.previous_layout: str | None = None  # nftables mode's, when previous_mode is
         self.last_switch: dict[str, object] | None = None
         self.first_sync_done = threading.Event()
         log.info("node %s: node IPs %s", node_name, ", ".join(facts.node_ips) or "none")
@@ -103,6 +115,10 @@ class Daemon:
             # blocks the martian traffic this would otherwise let in.
             set_sysctl("net/ipv4/conf/all/route_localnet", 1)
         self.metrics = ProxyMetrics(config.effective_mode)
+        self.metrics.follow_inputs(
+            invalid_objects=lambda: self.tracker.rejected_total,
+            failing_files=self._failing_files,
+        )
         self.health = HealthState(health_timeout=2 * config.sync_period)
         # Health check NodePorts listen where NodePorts answer (loopback included).
         hc_ips = NodePortAddresses.from_entries(options.node_port_addresses).addresses(
@@ -112,6 +128,7 @@ class Daemon:
             proxy_healthy=lambda: self.health.report()[0], addresses=lambda: hc_ips
         )
         self.state_dir = state_dir
+        self.state_dir_error: str | None = None
         self.leftovers_removed: list[str] | None = None
         self.leftover_cleaner = LeftoverCleaner(self)
         self.loop = ProxyLoop(
@@ -134,6 +151,7 @@ class Daemon:
                 "status": lambda _: {"ok": True, **self.status()},
                 "sync": self._sync_request,
                 "switch": self._switch_request,
+                "preflight": self._preflight_request,
             },
             tcp_address=admin_address,
         )
@@ -179,29 +197,38 @@ class Daemon:
         return self.dataplane.mode
 
     def switch(
-        self, to: str, timeout: float = 60.0, before: Path | None = None
+        self,
+        to: str,
+        timeout: float = 60.0,
+        before: Path | None = None,
+        nftables_layout: str | None = None,
     ) -> dict[str, object]:
         """Switch the running proxy to another mode (see kproxy.switch); returns the report.
-        before: the preflight's fresh backup of the node, kept as the "before" record."""
+        before: the preflight's fresh backup of the node, kept as the "before" record.
+        nftables_layout: to nftables mode in this layout (default: the one kproxy was
+        started with), or between the layouts."""
         if to == "previous":
             if self.previous_mode is None:
                 return {"ok": False, "error": "no previous mode: this kproxy has not switched yet"}
-            to = self.previous_mode
+            to, nftables_layout = self.previous_mode, self.previous_layout
+        if to == "nftables":
+            nftables_layout = nftables_layout or self.nftables_layout
         with self.loop.exclusive():
             old = self.dataplane
             snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
             report, now_serving = self.switcher.switch(
-                old, snapshot, to, timeout=timeout, before=before
+                old, snapshot, to, timeout=timeout, before=before, layout=nftables_layout
             )
             if report.ok:
                 self.previous_mode = old.mode
+                self.previous_layout = old.nftables_layout
                 self.dataplane = now_serving
                 self.loop.set_dataplane(now_serving)
-                if report.leftover_error:
-                    self.leftover_cleaner.again()
+            if report.leftover_error:
+                self.leftover_cleaner.again()
         if not report.ok:
             release_free_heap()  # what the failed attempt built (a success's record does it)
-        self.metrics.switched(report.from_mode, report.to_mode, report.ok, report.duration)
+        self.metrics.switched(*report.names, report.ok, report.duration)
         self.last_switch = report.to_dict()
         self.write_status()
         self.loop.runner.run()  # changes that arrived during the switch
@@ -211,14 +238,8 @@ class Daemon:
         """This node's preflight of a switch to `target`, for a rollout (cluster/duties.py):
         the same checks as `kproxy preflight --to`, the blocking ones and warnings as lines."""
         from kproxy.ops.preflight.findings import Severity
-        from kproxy.ops.preflight.run import run_preflight
 
-        result = run_preflight(
-            target,
-            status={"ok": True, **self.status()},
-            state_dir=self.state_dir or DEFAULT_STATE_DIR,
-            config=self.config,
-        )
+        result = self.preflight(target, backup_at_switch=True)
 
         def line(f: Any) -> str:
             return f"{f.id}: {f.found}"[:300]
@@ -228,6 +249,47 @@ class Daemon:
             "blocks": [line(f) for f in result.blocking],
             "warnings": [line(f) for f in result.findings if f.severity is Severity.WARN][:10],
         }
+
+    def preflight(self, target: str, *, backup_at_switch: bool) -> PreflightResult:
+        """The preflight of a switch to `target`, from this proxy's own objects, mode and
+        configuration (ops/preflight/live.py): nothing re-read from the source, only the
+        serving mode's destinations read from the kernel."""
+        from kproxy.ops.preflight.live import LiveState, tracker_view
+        from kproxy.ops.preflight.run import run_preflight
+
+        snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
+        live = LiveState(
+            mode=self.dataplane.mode,
+            flavour=self.dataplane.iptables_flavour,
+            snapshot=snapshot,
+            view=tracker_view(*self.tracker.parsed_objects()),
+        )
+        return run_preflight(
+            target,
+            status={"ok": True, **self.status()},
+            state_dir=self.state_dir or DEFAULT_STATE_DIR,
+            config=self.config,
+            config_path=self.config_path,
+            node_name=self.node_name,
+            live=live,
+            backup_at_switch=backup_at_switch,
+        )
+
+    def _preflight_request(self, request: dict[str, object]) -> dict[str, object]:
+        """The admin op `preflight`: {"to": MODE, "backup": "switch" | "write"}; the
+        answer's "result" is the PreflightResult's JSON (the CLI prints it)."""
+        from kproxy.modes import MODES
+
+        to = request.get("to")
+        if not isinstance(to, str) or to not in MODES:
+            return {"ok": False, "error": f"preflight needs 'to': one of {', '.join(MODES)}"}
+        backup = request.get("backup", "write")
+        if backup not in ("switch", "write"):
+            return {"ok": False, "error": "preflight's 'backup' is 'switch' or 'write'"}
+        if not self.first_sync_done.is_set():
+            return {"ok": False, "error": "kproxy is still starting: its first sync is not done"}
+        result = self.preflight(to, backup_at_switch=backup == "switch")
+        return {"ok": True, "result": result.to_dict()}
 
     def verify_collector(self) -> Collector:
         """`kproxy verify`'s sampler, fed from this process (no socket, no HTTP)."""
@@ -250,9 +312,25 @@ class Daemon:
         to = request.get("to")
         if not isinstance(to, str):
             return {"ok": False, "error": "switch needs 'to': a mode name or 'previous'"}
+        # ValueError: answered "bad request: ..." by the admin endpoint.
         timeout = request.get("timeout", 60.0)
-        timeout = float(timeout) if isinstance(timeout, int | float) else 60.0
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise ValueError("'timeout' must be a number of seconds")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"'timeout' must be more than 0 s and finite, not {timeout}")
         before = request.get("before")
+        if before is not None and not isinstance(before, str):
+            raise ValueError("'before' must be the path of a backup file")
+        layout = request.get("nftables_layout")
+        if layout is not None:
+            from kproxy.dataplane.nftables.layouts import LAYOUTS
+
+            if layout not in LAYOUTS or to not in ("nftables", "previous"):
+                return {
+                    "ok": False,
+                    "error": f"'nftables_layout' must be one of {', '.join(LAYOUTS)}, "
+                    "with 'to': nftables",
+                }
         # The snapshot a switch programs comes from the source's first delivery.
         if not self.first_sync_done.wait(timeout):
             return {
@@ -261,44 +339,56 @@ class Daemon:
                 f" {timeout:.0f} s; nothing was changed, try again",
             }
         return self.switch(
-            to, timeout, Path(before) if isinstance(before, str) and before else None
+            to,
+            timeout,
+            Path(before) if isinstance(before, str) and before else None,
+            nftables_layout=layout if isinstance(layout, str) else None,
         )
 
     def _sync_request(self, _: dict[str, object]) -> dict[str, object]:
         self.loop.request_full_sync()
         return {"ok": True, "queued": "full sync"}
 
+    def _failing_files(self) -> int:
+        return len(self.source.current_errors) if isinstance(self.source, FileSource) else 0
+
     def status(self) -> dict[str, object]:
         st = self.loop.status
         res = st.last_result
+        # Bad input as the tracker and the source know it now, not as of the last sync: an
+        # invalid object alone, or a file that stopped parsing, queues no sync.
+        rejections = self.tracker.rejections()
         return {
             "mode": self.dataplane.mode,
+            "nftables_layout": self.dataplane.nftables_layout,  # None in other modes
             "node": self.node_name,
             "pid": os.getpid(),
             "syncs": st.syncs,
             "full_syncs": st.full_syncs,
             "failures": st.failures,
+            "consecutive_failures": st.consecutive_failures,
+            # /healthz's verdict, and why the state dir could not be written (if so).
+            "healthy": self.health.report()[0],
+            "state_dir_error": self.state_dir_error,
             "last_sync": st.last_sync,
             "last_full_sync": st.last_full_sync,
             "last_duration": st.last_duration,
-            "last_error": st.last_error,
+            "last_error": one_line(st.last_error) if st.last_error else None,
             "services": res.services if res else 0,
-            "invalid_objects": st.invalid_objects,
+            "invalid_objects": len(rejections),
             "generation": self.tracker.generation,
             "pending": self.loop.pending,
             "last_result": dataclasses.asdict(st.last_result) if st.last_result else None,
             "conntrack_deleted": st.conntrack_deleted,
             "leftovers_removed": self.leftovers_removed,
             "previous_mode": self.previous_mode,
+            "previous_nftables_layout": self.previous_layout,
             "last_switch": self.last_switch,
-            # The API source's per-resource resourceVersion, lists, watches, current error.
+            # The API source's per-resource resourceVersion, lists, watches, current error;
+            # the file source's failing files and skipped documents (file, line, error).
             "source": self.source.state() if hasattr(self.source, "state") else None,
-            "rejections": [
-                str(r)
-                for r in (
-                    self.loop.applied_snapshot.rejections if self.loop.applied_snapshot else ()
-                )
-            ],
+            "rejections": [str(r) for r in rejections],
+            "invalid": [r.to_dict() for r in rejections],
         }
 
     def write_status(self) -> None:
@@ -310,8 +400,11 @@ class Daemon:
             tmp = self.state_dir / "status.json.tmp"
             tmp.write_text(json.dumps(self.status(), indent=2) + "\n")
             tmp.replace(self.state_dir / "status.json")
+            self.state_dir_error = None
         except OSError as err:
-            log.warning("could not write status: %s", err)
+            if self.state_dir_error is None:
+                log.warning("could not write status: %s", err)
+            self.state_dir_error = f"could not write status.json: {err}"
 
     def stop(self) -> None:
         if self.agent is not None:  # first: it may be about to ask for a switch
@@ -410,6 +503,7 @@ class LeftoverCleaner:
             d.dataplane.mode,
             iptables_flavour=d.dataplane.iptables_flavour,
             state_dir=d.state_dir,
+            nftables_layout=d.dataplane.nftables_layout,
         )
         release_free_heap()  # the scan read whole rule dumps
         d.leftovers_removed = [str(o) for o in removed]

@@ -33,28 +33,47 @@ def clean_leftovers(
     netns: str | None = None,
     dry_run: bool = False,
     state_dir: Path | None = None,
+    nftables_layout: str | None = None,
 ) -> list[OwnedObject]:
-    """Every other mode's state, removed (or only listed with dry_run). Never raises for one
-    failing piece: what could not be removed is logged and the rest still goes."""
+    """Every other mode's state (and, in nftables mode, the other layouts'), removed (or
+    only listed with dry_run). Never raises for one failing piece: what could not be
+    removed is logged and the rest still goes."""
     dump = KernelDump(netns, state_dir=state_dir)
-    removed = leftovers(dump, mode, iptables_flavour, remove=not dry_run)
+    removed = leftovers(
+        dump, mode, iptables_flavour, remove=not dry_run, nftables_layout=nftables_layout
+    )
     for obj in removed:
         log.info("%s leftover %s", "would remove" if dry_run else "removed", obj)
     return removed
 
 
 def leftovers(
-    dump: KernelDump, mode: str | None, iptables_flavour: str | None, *, remove: bool
+    dump: KernelDump,
+    mode: str | None,
+    iptables_flavour: str | None,
+    *,
+    remove: bool,
+    nftables_layout: str | None = None,
 ) -> list[OwnedObject]:
     """What of the dump is not `mode`'s own (None: no mode runs), removed when remove."""
-    return [obj for _owner, obj in leftovers_by_mode(dump, mode, iptables_flavour, remove=remove)]
+    found = leftovers_by_mode(
+        dump, mode, iptables_flavour, remove=remove, nftables_layout=nftables_layout
+    )
+    return [obj for _owner, obj in found]
 
 
 def leftovers_by_mode(
-    dump: KernelDump, mode: str | None, iptables_flavour: str | None, *, remove: bool
+    dump: KernelDump,
+    mode: str | None,
+    iptables_flavour: str | None,
+    *,
+    remove: bool,
+    nftables_layout: str | None = None,
 ) -> list[tuple[str | None, OwnedObject]]:
     """leftovers(), each with the mode whose state it is (None: the iptables chains, which
-    several modes share, and what a crashed switch left, which no mode adopts)."""
+    several modes share, and what a crashed switch left, which no mode adopts). The running
+    mode's own state stays; in nftables mode that is its layout's (nftables_layout; None:
+    every layout's)."""
     from kproxy.dataplane.iptables.backend import IptablesError
     from kproxy.dataplane.iptables.cleanup import cleanup as iptables_cleanup
 
@@ -74,6 +93,9 @@ def leftovers_by_mode(
     for spec in SPECS.values():
         if spec is not running:
             found += [(spec.name, o) for o in (spec.remove if remove else spec.owned)(dump)]
+        elif spec.other_layouts is not None and nftables_layout is not None:
+            others = spec.other_layouts(dump, nftables_layout, remove=remove)
+            found += [(spec.name, o) for o in others]
     return found
 
 

@@ -18,12 +18,15 @@ from typing import Annotated
 
 import typer
 
-from kproxy.cli_common import HostOpt, UsageError, fail
+from kproxy.cli_common import HostOpt, UsageError, checked, fail
 from kproxy.config import FLAG_NAMES, ConfigError, ProxyConfig, apply_flags, load_config
+from kproxy.config.addresses import parse_ip
 from kproxy.dataplane.base import DataplaneUnavailable, check_mode_available
 from kproxy.dataplane.facts import NodeFacts
 from kproxy.defaults import DEFAULT_STATE_DIR
+from kproxy.host.commands import DEFAULT_TOOL_TIMEOUT, set_tool_timeout
 from kproxy.server.admin import AdminBindError, parse_admin_address
+from kproxy.text import log_to_stderr, one_line
 
 log = logging.getLogger("kproxy")
 
@@ -39,10 +42,9 @@ def register(app: typer.Typer) -> None:
 
 def setup_logging(verbosity: int) -> None:
     level = logging.WARNING - 10 * verbosity if verbosity < 2 else logging.DEBUG
-    logging.basicConfig(
-        level=min(level, logging.INFO) if verbosity >= 0 else logging.WARNING,
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        stream=sys.stderr,
+    log_to_stderr(
+        min(level, logging.INFO) if verbosity >= 0 else logging.WARNING,
+        "%(asctime)s %(levelname).1s %(name)s: %(message)s",
     )
 
 
@@ -136,7 +138,11 @@ LayoutOpt = Annotated[
 ]
 NodeIpOpt = Annotated[
     list[str] | None,
-    typer.Option("--node-ip", help="The node's primary IP (repeatable); default: detected."),
+    typer.Option(
+        "--node-ip",
+        help="The node's primary IP (repeatable); default: detected.",
+        callback=checked(parse_ip),
+    ),
 ]
 VerboseOpt = Annotated[
     int, typer.Option("--verbose", "-v", count=True, help="More logging (-v info, -vv debug).")
@@ -280,6 +286,14 @@ def run(
             "admin.token (default: the unix socket only).",
         ),
     ] = None,
+    tool_timeout: Annotated[
+        float,
+        typer.Option(
+            "--tool-timeout",
+            help="Seconds an external tool (iptables-restore, nft, ipset, conntrack, ...) may "
+            "run before it is killed and the sync counts as failed (retried after syncPeriod).",
+        ),
+    ] = DEFAULT_TOOL_TIMEOUT,
     verbose: VerboseOpt = 1,
 ) -> None:
     """Run the proxy in the current network namespace (use `ip netns exec` for a lab node).
@@ -294,10 +308,15 @@ def run(
         extra = parse_extra_flags(list(ctx.args))
     except UsageError as err:
         raise fail(str(err)) from None
-    klog_v = extra.pop("v", None)
+    klog_v = extra.pop("v", "0")
     for name in ("logtostderr", "alsologtostderr"):
         extra.pop(name, None)
-    setup_logging(max(verbose, int(klog_v) if klog_v and klog_v.isdigit() else 0))
+    if not (klog_v.isascii() and klog_v.isdigit()):
+        raise fail(f"--v: {klog_v!r} is not a log level (0, 1, 2, ...)")
+    setup_logging(max(verbose, int(klog_v)))
+    if not tool_timeout > 0:
+        raise fail(f"--tool-timeout: {tool_timeout:g} is not a positive number of seconds")
+    set_tool_timeout(tool_timeout)
     from kproxy.memory import use_single_arena
 
     use_single_arena()  # before any thread starts (see kproxy.memory)
@@ -328,6 +347,7 @@ def run(
             raise UsageError(f"--iptables-backend: {backend!r} is not auto, nft or legacy")
         _check_layout(nftables_layout)
         admin_tcp = _admin_tcp(admin_address)
+        _make_state_dir(state_dir)
         try:
             # The file source, or the API server (whose Node may give node IPs and a mode).
             objects = prepare_source(
@@ -387,6 +407,7 @@ def render(
         typer.Option(
             "--local-address",
             help="An address on the node's interfaces (repeatable); default: detected.",
+            callback=checked(parse_ip),
         ),
     ] = None,
     random_fully: Annotated[
@@ -398,7 +419,11 @@ def render(
     ] = None,
     nfacct: Annotated[
         list[str] | None,
-        typer.Option("--nfacct-counter", help="An existing nfacct counter (repeatable)."),
+        typer.Option(
+            "--nfacct-counter",
+            help="An existing nfacct counter (repeatable).",
+            callback=checked(_nfacct_name),
+        ),
     ] = None,
     tcp_be_liberal: Annotated[
         bool | None,
@@ -414,6 +439,10 @@ def render(
     `ipvsadm -S -n` form, the ipsets and the iptables rules (ipvs mode). Needs no root and
     no kernel.
 
+    A file of the source that cannot be read or parsed is an error (exit code 2, naming the
+    file and line, nothing printed); an invalid object in a readable file is skipped with a
+    warning naming its field, as `kproxy run` skips it.
+
     Node facts a live sync detects (node IPs, local addresses, --random-fully support, nfacct
     counters, tcp_be_liberal) can be given as options so the output is reproducible on any
     machine; those not given are detected on this machine. Jump rules from the built-in
@@ -423,7 +452,7 @@ def render(
     from kproxy.config import rule_options
     from kproxy.dataplane.registry import RenderArgs, mode_spec
     from kproxy.model.snapshot import snapshot_from_objects
-    from kproxy.sources.files import load_path
+    from kproxy.sources.files import read_path
 
     try:
         _check_layout(nftables_layout)
@@ -445,15 +474,27 @@ def render(
             ),
         )
         try:
-            objects, problems = load_path(source)
+            loaded = read_path(source)
         except FileNotFoundError:
             raise UsageError(f"source not found: {source}") from None
-        for p in problems:
-            typer.secho(f"kproxy: warning: {p}", err=True, fg=typer.colors.YELLOW)
-        snapshot = snapshot_from_objects(objects.values(), _node_name(config))
+        if loaded.failed:
+            # Rules without a whole file's objects would look complete and be wrong.
+            for problem in loaded.failed[1:]:
+                typer.secho(f"kproxy: error: {one_line(problem)}", err=True, fg=typer.colors.RED)
+            raise UsageError(
+                f"{one_line(loaded.failed[0])}"
+                + (f" (and {len(loaded.failed) - 1} more files)" if len(loaded.failed) > 1 else "")
+                + "; nothing rendered"
+            )
+        for p in [*loaded.skipped, *loaded.duplicates]:
+            typer.secho(f"kproxy: warning: {one_line(p)}", err=True, fg=typer.colors.YELLOW)
+        snapshot = snapshot_from_objects(loaded.objects.values(), _node_name(config))
+        del loaded  # the raw objects are not needed past the model: gone before the render
         for rej in snapshot.rejections:
             typer.secho(
-                f"kproxy: warning: skipping invalid {rej}", err=True, fg=typer.colors.YELLOW
+                f"kproxy: warning: skipping invalid {one_line(rej)}",
+                err=True,
+                fg=typer.colors.YELLOW,
             )
         facts = _render_facts(node_ip, local_address, random_fully, nfacct, tcp_be_liberal)
         given = RenderArgs(
@@ -535,6 +576,22 @@ def cleanup(
         typer.echo("nothing to remove: no kproxy or kube-proxy dataplane state here")
     for obj in removed:
         typer.echo(f"{verb} {obj}")
+
+
+def _make_state_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--state-dir {path}: cannot create it: {err.strerror or err}") from None
+    if not path.is_dir():
+        raise UsageError(f"--state-dir {path}: not a directory")
+
+
+def _nfacct_name(name: str) -> str:
+    # The kernel's limit (NFACCT_NAME_MAX) and what nft/iptables rules can name.
+    if not (0 < len(name) < 32 and name.isascii() and name.isprintable()) or " " in name:
+        raise ValueError(f"{name!r} is not an nfacct counter name (1-31 characters, no spaces)")
+    return name
 
 
 def _admin_tcp(address: str | None) -> tuple[str, int] | None:

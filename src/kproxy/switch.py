@@ -17,6 +17,8 @@ Order (each step timed in the report):
              background after the report (the next switch waits for it)
 Anything failing before the cut-over removes the new mode's state, leaves the old mode
 untouched and deletes the half-open conntrack entries the attempt may have caused (G13).
+A cut-over that fails leaves the old mode serving too (after a full sync of it); state of
+the new mode that cannot be removed goes to the daemon's leftover cleanup.
 Established connections survive the cut-over: conntrack keeps their translation.
 """
 
@@ -76,6 +78,9 @@ REMOVED_IN_REPORT = 100
 class SwitchReport:
     from_mode: str
     to_mode: str
+    # nftables mode's layouts on either side (None for other modes; layouts.py)
+    from_layout: str | None = None
+    to_layout: str | None = None
     ok: bool = False
     error: str | None = None
     steps: list[Step] = field(default_factory=list)
@@ -83,14 +88,24 @@ class SwitchReport:
     removed_total: int = 0
     removed_by_kind: dict[str, int] = field(default_factory=dict)
     removed_file: str | None = None  # every removed object, one a line
-    # Why the old mode's state could not all be removed after the cut-over (the switch is
-    # done all the same; the daemon's leftover cleanup takes what is left).
+    # Why the state of the mode not serving could not all be removed: the old mode's after
+    # the cut-over (the switch is done all the same), the new mode's after a failure. The
+    # daemon's leftover cleanup takes what is left.
     leftover_error: str | None = None
     snapshots: list[str] = field(default_factory=list)
     duration: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """The two sides as one word each ("nftables-compact"; a mode otherwise)."""
+        from kproxy.dataplane.nftables.layouts import target_name
+
+        return target_name(self.from_mode, self.from_layout), target_name(
+            self.to_mode, self.to_layout
+        )
 
 
 class SwitchFailed(Exception):
@@ -99,8 +114,9 @@ class SwitchFailed(Exception):
 
 def plane_name(dp: Dataplane) -> str:
     """The dataplane's name among the readers' (ops.inspect.readers)."""
-    flavour = dp.iptables_flavour
-    return f"{dp.mode}-{flavour}" if dp.mode in ("iptables", "userspace") and flavour else dp.mode
+    from kproxy.dataplane.registry import dataplane_name
+
+    return dataplane_name(dp)
 
 
 def probe(ip: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
@@ -131,7 +147,7 @@ class ModeSwitcher:
     def __init__(
         self,
         *,
-        make_dataplane: Callable[[str], Dataplane],
+        make_dataplane: Callable[[str], Dataplane],  # by layouts.target_name()
         state_dir: Path | None,
         prober: Callable[[str, int], str | None] = probe,
         snapshotter: Callable[[], dict[str, object]] | None = None,
@@ -159,12 +175,20 @@ class ModeSwitcher:
         *,
         timeout: float,
         before: Path | None = None,
+        layout: str | None = None,
     ) -> tuple[SwitchReport, Dataplane]:
         """Returns the report and the dataplane now in use (the new one only on success).
         before: a snapshot of the node taken just now (preflight's backup), kept instead of
-        reading the dataplane again."""
+        reading the dataplane again. layout: nftables mode's layout to switch to (between
+        the layouts of nftables mode too: each has its own table)."""
         self.wait_records()  # the previous switch's after-record reads the kernel
-        report = SwitchReport(from_mode=old.mode, to_mode=to)
+        report = SwitchReport(
+            from_mode=old.mode,
+            to_mode=to,
+            from_layout=old.nftables_layout,
+            to_layout=layout if to == "nftables" else None,
+        )
+        was, target = report.names
         if to == "ipvs":
             # The new ipvs mode adopts the virtual servers still draining: nobody else may
             # delete them now.
@@ -183,16 +207,16 @@ class ModeSwitcher:
             report.steps.append(Step(name, round(time.monotonic() - t0, 4), detail))
             log.info(
                 "switch %s -> %s: %s done in %.3f s %s",
-                old.mode,
-                to,
+                was,
+                target,
                 name,
                 report.steps[-1].seconds,
                 detail,
             )
 
         try:
-            step("check", lambda: self._check(old, to))
-            new = self._create(to)
+            step("check", lambda: self._check(report))
+            new = self._create(target)
             step("snapshot", lambda: self._snapshot_before(report, before))
             step("anchor", lambda: f"conntrack anchor ({anchor.install()})")
             step("program", lambda: self._program(new, snapshot))
@@ -205,13 +229,18 @@ class ModeSwitcher:
             self._roll_back(new, snapshot, report)
             anchor.remove()
             report.duration = round(time.monotonic() - started, 4)
-            log.error(
-                "switch %s -> %s failed, %s is still serving: %s", old.mode, to, old.mode, err
-            )
+            log.error("switch %s -> %s failed, %s is still serving: %s", was, target, was, err)
             return report, old
         try:
             cut = True
-            step("cut-over", lambda: self._detach(old))
+            assert new is not None  # programmed and verified above
+            try:
+                step("cut-over", lambda: self._detach(old))
+            except Exception as err:
+                self._undo_cut_over(old, new, snapshot, report, err)
+                report.duration = round(time.monotonic() - started, 4)
+                log.error("switch %s -> %s failed at the cut-over: %s", old.mode, to, report.error)
+                return report, old
             try:
                 step("remove", lambda: self._remove(old, report))
             except Exception as err:
@@ -221,10 +250,10 @@ class ModeSwitcher:
                 log.error(
                     "switch %s -> %s: %s serves, but %s's state could not all be removed "
                     "(left to the leftover cleanup): %s",
-                    old.mode,
-                    to,
-                    to,
-                    old.mode,
+                    was,
+                    target,
+                    target,
+                    was,
                     err,
                 )
         finally:
@@ -233,7 +262,7 @@ class ModeSwitcher:
         # The switch's duration ends when the old mode's state is gone; the record of the
         # result that follows is not part of it (it is a step of its own in the report).
         report.duration = round(time.monotonic() - started, 4)
-        log.info("switched %s -> %s in %.3f s", old.mode, to, report.duration)
+        log.info("switched %s -> %s in %.3f s", was, target, report.duration)
         step("snapshot-after", lambda: self._record_after(report))
         return report, new
 
@@ -246,12 +275,15 @@ class ModeSwitcher:
 
     # --- steps -------------------------------------------------------------------------------
 
-    def _check(self, old: Dataplane, to: str) -> str:
+    def _check(self, report: SwitchReport) -> str:
+        to = report.to_mode
         if to not in MODES:
             raise SwitchFailed(f"unknown mode {to!r}: valid modes are {', '.join(MODES)}")
-        if to == old.mode:
-            raise SwitchFailed(f"already in {to} mode")
-        return f"{old.mode} -> {to}"
+        was, target = report.names
+        if was == target:
+            layout = f" ({report.to_layout} layout)" if report.to_layout else ""
+            raise SwitchFailed(f"already in {to} mode{layout}")
+        return f"{was} -> {target}"
 
     def _create(self, to: str) -> Dataplane:
         try:
@@ -264,7 +296,8 @@ class ModeSwitcher:
             return None
         self.state_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        return self.state_dir / f"switch-{stamp}-{report.from_mode}-{report.to_mode}-{when}.json"
+        was, target = report.names
+        return self.state_dir / f"switch-{stamp}-{was}-{target}-{when}.json"
 
     def _write_record(self, path: Path) -> None:
         if self.snapshotter is None:
@@ -282,10 +315,21 @@ class ModeSwitcher:
             if age is not None and 0 <= age <= BEFORE_MAX_AGE:
                 report.snapshots.append(str(before))
                 return f"{before} (the preflight's verified backup, {age:.0f} s old)"
-        path = self._snapshot_path(report, "before")
-        if path is None:
-            return "no state dir: not kept"
-        self._write_record(path)
+        try:
+            path = self._snapshot_path(report, "before")
+            if path is None:
+                return "no state dir: not kept"
+            try:
+                self._write_record(path)
+            except OSError:
+                path.unlink(missing_ok=True)  # no half record (a full state dir)
+                raise
+        except OSError as err:
+            # The record is what an operator restores from: no switch without it.
+            raise SwitchFailed(
+                f"could not keep the dataplane's snapshot before the switch in the state dir "
+                f"({err}); nothing was changed: free the state dir and try again"
+            ) from err
         report.snapshots.append(str(path))
         return str(path)
 
@@ -397,6 +441,31 @@ class ModeSwitcher:
         self._reapers = []
         self._stop_reaping = threading.Event()
 
+    def _undo_cut_over(
+        self,
+        old: Dataplane,
+        new: Dataplane,
+        snapshot: Snapshot,
+        report: SwitchReport,
+        err: Exception,
+    ) -> None:
+        """The old mode could not leave the packet path. Its detach is one atomic step, so
+        the old mode most likely still serves; a full sync of it makes sure (it puts back
+        whatever a detach killed after its commit removed) before the new mode goes. If
+        that sync fails too, the new mode stays: it may be the only one serving. Its state
+        is then left to the leftover cleanup after the old mode's next good sync."""
+        report.error = f"cut-over failed: {type(err).__name__}: {err}"
+        try:
+            old.sync(snapshot, full=True)
+        except Exception as sync_err:
+            report.error += f"; {old.mode} could not be synced again either: {sync_err}"
+            report.leftover_error = (
+                f"{new.mode}'s state stays until {old.mode} syncs again (leftover cleanup)"
+            )
+            report.steps.append(Step("roll-back", 0.0, f"{new.mode} left in place"))
+            return
+        self._roll_back(new, snapshot, report)
+
     def _roll_back(self, new: Dataplane | None, snapshot: Snapshot, report: SwitchReport) -> None:
         if new is not None:
             try:
@@ -405,6 +474,8 @@ class ModeSwitcher:
             except Exception as err:  # keep rolling back; report it
                 log.error("could not remove the new mode's state: %s", err)
                 report.error = f"{report.error}; removing {new.mode}'s state also failed: {err}"
+                # The daemon's leftover cleanup takes it after the old mode's next good sync.
+                report.leftover_error = f"{new.mode}'s state not removed: {err}"
         cleared = 0
         vips = {
             ip

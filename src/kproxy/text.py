@@ -5,6 +5,7 @@ can neither start a new line nor carry terminal control sequences."""
 from __future__ import annotations
 
 import logging
+import sys
 
 # Characters that end a line or move the cursor, escaped the way Python's repr() does.
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
@@ -38,3 +39,11 @@ class OneLineFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = one_line(record.message)
         return super().formatMessage(record)
+
+
+def log_to_stderr(level: int, fmt: str) -> None:
+    """logging.basicConfig on stderr with a OneLineFormatter: what every kproxy process (the
+    proxy, a userspace worker, the rollout controller) logs through."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter(fmt))
+    logging.basicConfig(level=level, handlers=[handler])

@@ -17,6 +17,7 @@ from kproxy.dataplane.ipvs.ipset import parse_save
 from kproxy.dataplane.ipvs.netlink import KernelDest, KernelService
 from kproxy.dataplane.ipvs.nlsock import Request, be16, parse_attrs, u16, u32
 from kproxy.dataplane.ipvs.plan import PROTOCOL_NAMES, VSKey
+from tests.support.iptables_fakes import FakeXtables
 
 Dest = tuple[str, int]
 
@@ -210,3 +211,23 @@ class FakeIptables:
 
 def parsed_sets(text: str) -> dict[str, set[str]]:
     return parse_save(text)
+
+
+@dataclass
+class IpvsKernel:
+    """Every fake an IpvsDataplane writes to, with iptables kept whole (iptables_fakes)."""
+
+    ipvs: FakeIpvs
+    dummy: FakeDummy
+    ipset: FakeIpset
+    iptables: FakeXtables
+
+    def state(self) -> dict[str, object]:
+        """Everything the dataplane programmed, comparable with ==."""
+        return {
+            "services": dict(self.ipvs.services_),
+            "dests": {k: dict(v) for k, v in self.ipvs.dests_.items()},
+            "bound": set(self.dummy.bound),
+            "sets": {k: set(v) for k, v in self.ipset.sets.items()},
+            "iptables": self.iptables.save(),
+        }

@@ -497,6 +497,11 @@ class FakeBackend:
     def chains(self, family: str, table: str) -> list[str]:
         return list(self.table.chains) if self.table.exists else []
 
+    def chains_with_rules(self, family: str, table: str) -> set[str] | None:
+        if not self.table.exists:
+            return set()
+        return {name for name, chain in self.table.chains.items() if chain.rules}
+
     def sets(self, family: str, table: str) -> list[str]:
         return [k for k, c in self.table.containers.items() if c.kind == "set"]
 

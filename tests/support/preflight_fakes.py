@@ -106,3 +106,25 @@ def recorded(
         "conntrack": {"count": 1, "max": 262144},
     }
     return lambda _netns: json.loads(json.dumps(snap))
+
+
+def live_state(
+    objects: Sequence[dict[str, Any]],
+    mode: str,
+    flavour: str | None = None,
+    programmed: dict[str, dict[Any, str]] | None = None,
+) -> Any:
+    """What a running kproxy holds for these objects (its tracker's parsed objects and
+    snapshot), its plane read from `programmed` (dataplane -> destinations) by name."""
+    from kproxy.model.snapshot import tracker_of
+    from kproxy.ops.preflight.live import LiveState, tracker_view
+
+    tracker = tracker_of(objects, "node1")
+    planes = programmed or {}
+    return LiveState(
+        mode=mode,
+        flavour=flavour,
+        snapshot=tracker.snapshot(),
+        view=tracker_view(*tracker.parsed_objects()),
+        plane_reader=lambda plane, _netns: dict(planes.get(plane, {})),
+    )

@@ -45,6 +45,7 @@ class SimNode:
     obj: dict[str, Any]
     block: str = ""  # its preflight blocks with this finding
     fail_to: str = ""  # a switch to this mode fails
+    fail_error: str = "verify: 10.96.0.1:443 missing"  # ... and says so on its Node
     answers: bool = True  # answers preflight requests at all
     verify_ok: bool = True
     p99: float = 0.05
@@ -69,7 +70,7 @@ class SimNode:
                 self.switches.append(declared)
                 ann[SWITCH_TARGET] = declared
                 if declared == self.fail_to:
-                    ann[SWITCH_STATE], ann[LAST_ERROR] = "failed", "verify: 10.96.0.1:443 missing"
+                    ann[SWITCH_STATE], ann[LAST_ERROR] = "failed", self.fail_error
                 else:
                     ann[CURRENT_MODE], ann[SWITCH_STATE] = declared, "succeeded"
                     ann.pop(LAST_ERROR, None)

@@ -104,7 +104,7 @@ def _literal(text: str) -> str:
     return repr(text)
 
 
-def _record(mode: str, backend: str, workdir: Path) -> dict[str, Any]:
+def _record(mode: str, backend: str, workdir: Path, layout: str = "upstream") -> dict[str, Any]:
     from kproxy.lab.proxy import ProxyProcess
     from kproxy.lab.topology import Lab
 
@@ -117,7 +117,10 @@ def _record(mode: str, backend: str, workdir: Path) -> dict[str, Any]:
         cfg = workdir / f"config-{mode}.yaml"
         cfg.write_text(CONFIG.format(mode=mode))
         args = ["--iptables-backend", backend] if backend else []
-        proxy = ProxyProcess(lab, src, config=cfg, args=args, workdir=workdir / f"kproxy-{mode}")
+        args += ["--nftables-layout", layout]
+        proxy = ProxyProcess(
+            lab, src, config=cfg, args=args, workdir=workdir / f"kproxy-{mode}-{layout}"
+        )
         proxy.start()
 
         def ex(argv: list[str]) -> str:
@@ -140,7 +143,8 @@ def _record(mode: str, backend: str, workdir: Path) -> dict[str, Any]:
                 keep = [ln for ln in timer if ln.startswith(("now at", "jiffies:"))][:2]
                 out["timer"] = "\n".join(keep) + "\n"
             else:
-                items = json.loads(ex(["nft", "-j", "list", "table", "ip", "kube-proxy"]))
+                table = "kube-proxy" if layout == "upstream" else f"kproxy-{layout}"
+                items = json.loads(ex(["nft", "-j", "list", "table", "ip", table]))
                 lines = ",\n".join(json.dumps(i) for i in items["nftables"])
                 out["nft"] = '{"nftables": [\n' + lines + "\n]}\n"
             out["conntrack"] = ex(["conntrack", "-L", "-o", "extended"])
@@ -152,12 +156,21 @@ def _record(mode: str, backend: str, workdir: Path) -> dict[str, Any]:
     return out
 
 
+def compact_parts(compact: dict[str, Any]) -> list[str]:
+    return [
+        f"NFT_COMPACT_AFFINITY_ENDPOINT = {compact['affinity']!r}\n",
+        f"NFT_COMPACT_JSON = {_literal(compact['nft'])}\n",
+        f"NFT_COMPACT_CONNTRACK = {_literal(compact['conntrack'])}\n",
+    ]
+
+
 def main() -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         ipt = _record("iptables", "nft", Path(tmp))
         nft = _record("nftables", "", Path(tmp))
+        compact = _record("nftables", "", Path(tmp), layout="compact")
     parts = [
         HEADER,
         f"IPTABLES_AFFINITY_ENDPOINT = {ipt['affinity']!r}\n",
@@ -169,6 +182,7 @@ def main() -> int:
         f"NFT_AFFINITY_ENDPOINT = {nft['affinity']!r}\n",
         f"NFT_JSON = {_literal(nft['nft'])}\n",
         f"NFT_CONNTRACK = {_literal(nft['conntrack'])}\n",
+        *compact_parts(compact),
     ]
     DUMPS.write_text("\n".join(parts))
     # Keep the generated module in the repository's format (ruff is a test dependency).

@@ -53,10 +53,12 @@ from kproxy.modes import MODES
 from kproxy.sources.api import ApiSource
 from kproxy.sources.kubeclient import ApiError, json_request
 from kproxy.sources.reflector import TRANSIENT, Backoff, describe_error
+from kproxy.text import one_line
 
 log = logging.getLogger("kproxy.cluster.agent")
 
 COMPONENT = "kproxy"
+MODE_LIMIT = 63  # characters of a declared mode echoed back (a mode name is far shorter)
 
 _TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
 
@@ -230,12 +232,13 @@ class ClusterAgent:
     # --- talking to the API server -------------------------------------------------------------
 
     def status(self) -> dict[str, str | None]:
+        # observed and target echo the declared-mode annotation: any text, made one line.
         return {
             CURRENT_MODE: self.daemon.mode,
-            OBSERVED: self.observed,
+            OBSERVED: one_line(self.observed, limit=MODE_LIMIT),
             SWITCH_STATE: self.state,
-            SWITCH_TARGET: self.target or None,
-            LAST_ERROR: self.error[:1000] or None,  # None removes it (merge patch)
+            SWITCH_TARGET: one_line(self.target, limit=MODE_LIMIT) or None,
+            LAST_ERROR: one_line(self.error, limit=1000) or None,  # None removes it (merge patch)
             **self.rollout_status,
         }
 

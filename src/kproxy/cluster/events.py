@@ -9,7 +9,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kproxy.text import one_line
+
 EVENT_NAMESPACE = "default"
+MESSAGE_LIMIT = 1000  # characters of a message kept (plus a marker saying how many were cut)
 
 
 def event_body(
@@ -21,7 +24,8 @@ def event_body(
     component: str,
     instance: str,
 ) -> dict[str, Any]:
-    """A v1 Event: `involved` is the object's apiVersion, kind, name and uid."""
+    """A v1 Event: `involved` is the object's apiVersion, kind, name and uid. The message is
+    made one line: it may quote a Node's annotation or an object's name."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return {
         "apiVersion": "v1",
@@ -33,7 +37,7 @@ def event_body(
         "involvedObject": involved,
         "type": type_,
         "reason": reason,
-        "message": message[:1024],
+        "message": one_line(message, limit=MESSAGE_LIMIT),
         "source": {"component": component, "host": instance},
         "reportingComponent": component,
         "reportingInstance": instance,

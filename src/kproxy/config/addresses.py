@@ -50,3 +50,42 @@ def parse_cidr(value: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | No
         return ipaddress.ip_network(value, strict=False)
     except ValueError:
         return None
+
+
+def parse_ip(text: str) -> str:
+    """An IP address the way Go's net.ParseIP takes it (no zone, no brackets); ValueError
+    saying what is wrong."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an IP address") from None
+    if "%" in text:
+        raise ValueError(f"{text!r}: an IP address here has no zone (%...)")
+    return text
+
+
+def parse_port(text: str, *, zero: bool = False) -> int:
+    """A port number, 1-65535 (0 too with zero=True: "disabled"); ValueError otherwise."""
+    low = 0 if zero else 1
+    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= 65535:
+        raise ValueError(f"{text!r} is not a port ({low}-65535)")
+    return int(text)
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """ "IP:PORT" ("[::1]:10249" for IPv6); ValueError naming the part that is wrong."""
+    parts = split_host_port(text)
+    if parts is None:
+        raise ValueError(f"{text!r} is not IP:PORT (e.g. 127.0.0.1:10249)")
+    return parse_ip(parts[0]), parse_port(parts[1])
+
+
+# Linux's rule for a device name (dev_valid_name), plus no quote or backslash, which the rule
+# languages of iptables-restore and nft cannot carry in an interface match.
+_IFNAME = re.compile(r"[^\s/:\"'\\]{1,15}")
+
+
+def is_interface_name(text: str) -> bool:
+    """Whether `text` can be a network interface's name (or a name prefix)."""
+    printable = text.isascii() and text.isprintable()
+    return printable and _IFNAME.fullmatch(text) is not None and text not in (".", "..")

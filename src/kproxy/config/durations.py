@@ -6,6 +6,7 @@ kproxy keeps them as float seconds and writes them back exactly as Go prints the
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNIT_NS = {
@@ -104,3 +105,20 @@ def format_duration_ns(ns: int) -> str:
 def format_duration(seconds: float) -> str:
     """Format float seconds as a Go duration string."""
     return format_duration_ns(round(seconds * _NS_PER_S))
+
+
+def parse_positive_duration(text: str) -> float:
+    """A Go duration that must be more than zero, in float seconds."""
+    seconds = parse_duration(text)
+    if seconds <= 0:
+        raise ValueError(f"{text!r} must be more than 0")
+    return seconds
+
+
+def check_seconds(value: float, *, zero: bool = False) -> float:
+    """A number of seconds given as a number: finite and more than 0 (or at least 0 with
+    zero=True); ValueError otherwise (NaN too)."""
+    if not (value >= 0 if zero else value > 0) or math.isinf(value):
+        bound = "at least 0" if zero else "more than 0"
+        raise ValueError(f"{value} is not a number of seconds ({bound}, finite)")
+    return value

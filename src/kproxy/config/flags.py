@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,9 +59,19 @@ def _parse_int32(text: str) -> int:
 
 def _parse_float(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise ValueError("must be a number") from None
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+def _parse_port(text: str) -> int:
+    value = _parse_int32(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a port (0-65535; 0 disables the server)")
+    return value
 
 
 def _parse_string_list(text: str) -> tuple[str, ...]:
@@ -92,8 +103,8 @@ _FLAGS: dict[str, _Flag] = {
     "bind-address": _Flag(_str, (("", "bind_address"),)),
     "healthz-bind-address": _Flag(_str, (("", "healthz_bind_address"),)),
     "metrics-bind-address": _Flag(_str, (("", "metrics_bind_address"),)),
-    "healthz-port": _Flag(_parse_int32, ()),
-    "metrics-port": _Flag(_parse_int32, ()),
+    "healthz-port": _Flag(_parse_port, ()),
+    "metrics-port": _Flag(_parse_port, ()),
     "bind-address-hard-fail": _Flag(_parse_bool, (("", "bind_address_hard_fail"),)),
     "profiling": _Flag(_parse_bool, (("", "enable_profiling"),)),
     "show-hidden-metrics-for-version": _Flag(_str, (("", "show_hidden_metrics_for_version"),)),
@@ -209,8 +220,31 @@ def apply_flags(config: ProxyConfig, flags: Mapping[str, str]) -> tuple[ProxyCon
         new = _apply_deprecated_ports(new, values)
     problems = validate_config(new)
     if problems:
-        raise ConfigError(_FLAG_SOURCE, problems)
+        raise ConfigError(_FLAG_SOURCE, [_with_flag(p, values) for p in problems])
     return new, ignored
+
+
+def _config_paths(name: str) -> tuple[str, ...]:
+    """Where a flag's value shows in the configuration's problems ("iptables.masqueradeBit")."""
+    fields = ProxyConfig.model_fields
+    paths = []
+    for section, field in _FLAGS[name].targets:
+        if section:
+            model = fields[section].annotation
+            inner = model.model_fields[field]  # type: ignore[union-attr]
+            paths.append(f"{fields[section].alias or section}.{inner.alias or field}")
+        else:
+            paths.append(fields[field].alias or field)
+    return tuple(paths)
+
+
+def _with_flag(problem: str, given: Mapping[str, Any]) -> str:
+    """A problem of the configuration the flags made, led by the flag whose value it is."""
+    path = problem.split(":", 1)[0].split("[", 1)[0]
+    for name in given:
+        if path in _config_paths(name):
+            return f"--{name}: {problem}"
+    return problem
 
 
 def _with_flag_values(config: ProxyConfig, values: Mapping[str, Any]) -> ProxyConfig:

@@ -9,7 +9,7 @@ import ipaddress
 import re
 from typing import Any
 
-from kproxy.config.addresses import parse_cidr, split_host_port
+from kproxy.config.addresses import is_interface_name, parse_cidr, split_host_port
 from kproxy.config.durations import format_duration
 from kproxy.config.problems import show_value, suggest
 from kproxy.config.schema import (
@@ -17,6 +17,7 @@ from kproxy.config.schema import (
     ProxyConfig,
 )
 from kproxy.dataplane.nodepolicy import DETECT_LOCAL_MODES, NODE_PORT_ADDRESSES_PRIMARY
+from kproxy.model.parse import is_dns_subdomain
 from kproxy.modes import MODES
 
 
@@ -31,6 +32,13 @@ def validate_config(config: ProxyConfig) -> list[str]:
 
 def _validate_top_level(v: _Problems, config: ProxyConfig) -> None:
     _check_choice(v, "mode", config.mode, MODES, "blank means iptables")
+    host = config.hostname_override.strip().lower()
+    v.check(
+        not host or is_dns_subdomain(host),
+        "hostnameOverride",
+        config.hostname_override,
+        "must be a Node's name (lowercase RFC 1123 subdomain, e.g. node-1.example)",
+    )
     _check_ip(v, "bindAddress", config.bind_address)
     _check_node_port_addresses(v, config.node_port_addresses)
     for path, value in (
@@ -87,6 +95,18 @@ def _validate_local_detection(v: _Problems, config: ProxyConfig) -> None:
         v.required(
             "detectLocal.interfaceNamePrefix",
             "must not be empty when detectLocalMode is InterfaceNamePrefix",
+        )
+    # Whatever the mode (the names reach iptables and nft rules once the mode is chosen).
+    for path, name in (
+        ("detectLocal.bridgeInterface", config.detect_local.bridge_interface),
+        ("detectLocal.interfaceNamePrefix", config.detect_local.interface_name_prefix),
+    ):
+        v.check(
+            not name or is_interface_name(name),
+            path,
+            name,
+            "must be an interface name: 1-15 printable ASCII characters without whitespace,"
+            " '/', ':', quotes or backslashes",
         )
     _check_cluster_cidr(v, config.cluster_cidr)
 

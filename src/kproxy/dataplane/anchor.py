@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from kproxy.host.commands import in_netns
+from kproxy.host.commands import in_netns, run_command
 
 log = logging.getLogger("kproxy.anchor")
 
@@ -45,7 +45,7 @@ class ConntrackAnchor:
         self, argv: Sequence[str], data: str | None = None
     ) -> subprocess.CompletedProcess[str]:
         argv = in_netns(argv, self.netns)
-        return subprocess.run(argv, input=data, capture_output=True, text=True, check=False)
+        return run_command(argv, data)
 
     def install(self) -> str:
         """Put the anchor in place (idempotent); returns "nftables" or "iptables-legacy"."""

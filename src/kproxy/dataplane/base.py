@@ -45,6 +45,9 @@ class SyncResult:
     objects: dict[str, int] = field(default_factory=dict)
     # A full sync that found the kernel provably as last written, so it wrote only changes.
     kernel_unchanged: bool = False
+    # Cleanup transactions (stale chain deletions) that failed in this sync, which went on
+    # as a full one: upstream counts them apart from failed syncs.
+    cleanup_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,11 @@ class Dataplane:
     @property
     def iptables_flavour(self) -> str | None:
         """The iptables backend this mode writes with ("nft", "legacy"), if it writes any."""
+        return None
+
+    @property
+    def nftables_layout(self) -> str | None:
+        """nftables mode's layout (dataplane/nftables/layouts.py); None in other modes."""
         return None
 
 

@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kproxy.defaults import DEFAULT_STATE_DIR
-from kproxy.host.commands import in_netns
+from kproxy.host.commands import in_netns, run_command
 
 if TYPE_CHECKING:
     from kproxy.dataplane.iptables.backend import IptablesBackend
     from kproxy.dataplane.nftables.cleanup import TableBackend
 
 IPTABLES_FLAVOURS = ("nft", "legacy")
+IPTABLES_TABLES = frozenset(("filter", "nat", "mangle", "raw", "security"))
 
 
 class KernelDump:
@@ -31,15 +32,69 @@ class KernelDump:
 
     def run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
         """A command inside the namespace."""
-        return subprocess.run(
-            in_netns(argv, self.netns), capture_output=True, text=True, check=False
-        )
+        return run_command(in_netns(argv, self.netns))
 
     def iptables(self, flavour: str) -> IptablesBackend | None:
-        """The backend to read (and remove through); None: no kube-proxy chain is there."""
+        """The backend to read (and remove through); None: no kube-proxy chain is there,
+        because the flavour has no table at all (then a scan costs one cheap look)."""
         from kproxy.dataplane.iptables.backend import IptablesBackend
 
+        if not self.iptables_tables_exist(flavour):
+            return None
         return IptablesBackend(flavour, netns=self.netns)
+
+    def iptables_tables_exist(self, flavour: str) -> bool:
+        """Whether the flavour has any table here; True when that cannot be told. Legacy's
+        tables are named in /proc; iptables-nft's are nf_tables tables of the ip family
+        with iptables' table names, seen in one netlink table listing."""
+        if flavour == "legacy":
+            names = self.run(["cat", "/proc/net/ip_tables_names"])
+            return names.returncode != 0 or bool(names.stdout.split())
+        from kproxy.dataplane.nftables.backend import NftBackend, NftError
+
+        try:
+            tables = NftBackend(netns=self.netns).tables()
+        except (NftError, OSError):
+            return True
+        return any(t.family == "ip" and t.name in IPTABLES_TABLES for t in tables)
+
+    def iptables_chains(self, flavour: str) -> list[str]:
+        """The names of every chain in the flavour's iptables tables, no rule read where
+        the backend allows: iptables-nft's from one netlink chain dump (nft's own listing
+        would first cache every object of every table, kube-proxy's nft table included),
+        legacy's from its save (the kernel hands the whole table over in any case), only
+        when it has a table."""
+        if flavour == "nft":
+            if not self.iptables_tables_exist("nft"):
+                return []  # an nftables node's own chains would all be dumped for nothing
+            return [
+                name
+                for table, names in self.nft_chains_by_table("ip").items()
+                if table in IPTABLES_TABLES
+                for name in names
+            ]
+        names = self.run(["cat", "/proc/net/ip_tables_names"])
+        if names.returncode == 0 and not names.stdout.split():
+            return []
+        save = self.run(["iptables-legacy-save"])
+        return [
+            line[1:].split()[0]
+            for line in save.stdout.splitlines()
+            if line.startswith(":") and len(line) > 1
+        ]
+
+    def nft_chains_by_table(self, family: str) -> dict[str, list[str]]:
+        """Every chain name of one nftables family, per table (names only, over netlink)."""
+        from kproxy.dataplane.nftables.netlink import NetlinkError, NftNetlink
+
+        try:
+            client = NftNetlink(self.netns, family=family)
+            try:
+                return client.chains_by_table()
+            finally:
+                client.close()
+        except (NetlinkError, OSError, KeyError):
+            return {}
 
     def nft_tables(self) -> TableBackend | None:
         """The nftables tables (and their removal); None: no nft here."""

@@ -75,6 +75,55 @@ class ModeSpec:
     # Raw-table rules this mode adds only during a switch (in any mode a leftover of a crash):
     # (where, rules) -> the ones that are this mode's.
     switch_rules: Callable[[str, list[str]], list[OwnedObject]] | None = None
+    # nftables mode: one dataplane per layout (dataplane/nftables/layouts.py), its reader's
+    # load() and destinations() given layout=; while it runs in one layout, the others'
+    # state is left over: (dump, running layout, remove=) -> that state (removed if remove).
+    per_nftables_layout: bool = False
+    other_layouts: Callable[..., list[OwnedObject]] | None = None
+
+
+@dataclass(frozen=True)
+class DataplaneName:
+    """One dataplane of a mode, as kproxy reports it: "iptables-nft" (a mode in an iptables
+    backend, per flavour), "nftables-compact" (nftables mode per layout), "ipvs"."""
+
+    name: str
+    mode: str
+    flavour: str | None = None
+    layout: str | None = None
+
+
+def dataplanes() -> list[DataplaneName]:
+    """Every dataplane of this build's modes, in the specs' order."""
+    from kproxy.dataplane.kernel_dump import IPTABLES_FLAVOURS
+
+    out: list[DataplaneName] = []
+    for spec in SPECS.values():
+        if spec.per_iptables_flavour:
+            out += [DataplaneName(f"{spec.name}-{f}", spec.name, f) for f in IPTABLES_FLAVOURS]
+        elif spec.per_nftables_layout:
+            from kproxy.dataplane.nftables import layouts
+
+            out += [
+                DataplaneName(layouts.dataplane_name(lay), spec.name, layout=lay)
+                for lay in layouts.LAYOUTS
+            ]
+        else:
+            out.append(DataplaneName(spec.name, spec.name))
+    return out
+
+
+def dataplane_name(dp: Dataplane) -> str:
+    """A running dataplane's name among dataplanes()."""
+    flavour, layout = dp.iptables_flavour, dp.nftables_layout
+    spec = SPECS.get(dp.mode)
+    if spec is not None and spec.per_iptables_flavour and flavour:
+        return f"{dp.mode}-{flavour}"
+    if spec is not None and spec.per_nftables_layout and layout:
+        from kproxy.dataplane.nftables.layouts import dataplane_name as nft_name
+
+        return nft_name(layout)
+    return dp.mode
 
 
 def _lazy(target: str, **bound: Any) -> Callable[..., Any]:
@@ -207,6 +256,8 @@ _SPECS = (
         owned=_NFT_OWNED,
         remove=_NFT_REMOVE,
         reader="kproxy.ops.inspect.nftables_reader",
+        per_nftables_layout=True,
+        other_layouts=_lazy("kproxy.dataplane.nftables.cleanup:other_layouts"),
     ),
     ModeSpec(
         "ipvs",
@@ -263,4 +314,14 @@ def create_dataplane(
     )
 
 
-__all__ = ["SPECS", "CreateArgs", "ModeSpec", "RenderArgs", "create_dataplane", "mode_spec"]
+__all__ = [
+    "SPECS",
+    "CreateArgs",
+    "DataplaneName",
+    "ModeSpec",
+    "RenderArgs",
+    "create_dataplane",
+    "dataplane_name",
+    "dataplanes",
+    "mode_spec",
+]

@@ -33,10 +33,17 @@ class ProxyProcess:
         workdir: Path,
         node: LabNode | None = None,
         path_prefix: Path | None = None,
+        env: dict[str, str] | None = None,
+        state_tmpfs: str | None = None,
     ) -> None:
-        """path_prefix: a folder searched before PATH (tools replaced for a fault test)."""
+        """path_prefix: a folder searched before PATH (tools replaced for a fault test).
+        env: more environment variables. state_tmpfs: the state dir is a tmpfs of this size
+        (e.g. "4m") in a mount namespace of the process's own, gone when it exits (a fault
+        test makes it read-only or full: kproxy.lab.faults.StateDirFault)."""
         self.lab = lab
         self.path_prefix = path_prefix
+        self.extra_env = dict(env or {})
+        self.state_tmpfs = state_tmpfs
         self.node = node or lab.nodes[0]
         self.source = source
         self.config = config
@@ -53,13 +60,31 @@ class ProxyProcess:
         if self.config is not None:
             argv += ["--config", str(self.config)]
         argv += ["--state-dir", str(self.state_dir), "--node-ip", self.node.ip, *self.args]
+        if self.state_tmpfs is not None:
+            # A private mount namespace: the tmpfs is never seen by (or left in) the host's.
+            mount = 'mount -t tmpfs -o size="$1" kproxy-state "$2" && shift 2 && exec "$@"'
+            argv = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                mount,
+                "sh",
+                self.state_tmpfs,
+                str(self.state_dir),
+                *argv,
+            ]
         return argv
 
     def start(self, *, wait: bool = True, timeout: float = 20.0) -> ProxyProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.state_tmpfs is not None:
+            self.state_dir.mkdir(exist_ok=True)  # the mount point
         previous = self.status().get("syncs", 0) if self.status_path.exists() else 0
         log = self.log_path.open("a")
-        env = self.lab.process_env()
+        env = self.lab.process_env() | self.extra_env
         if self.path_prefix is not None:
             env["PATH"] = f"{self.path_prefix}:{env.get('PATH', '')}"
         self.proc = self.lab.spawn(
@@ -73,8 +98,16 @@ class ProxyProcess:
         return self
 
     @property
+    def state_view(self) -> Path:
+        """The state dir as this process sees it (through its own mount namespace when the
+        state dir is a private tmpfs)."""
+        if self.state_tmpfs is not None and self.proc is not None:
+            return Path(f"/proc/{self.proc.pid}/root") / self.state_dir.relative_to("/")
+        return self.state_dir
+
+    @property
     def status_path(self) -> Path:
-        return self.state_dir / "status.json"
+        return self.state_view / "status.json"
 
     def status(self) -> dict[str, Any]:
         try:

@@ -156,6 +156,15 @@ class Rejection:
         who = f"{self.namespace}/{self.name}" if self.namespace else self.name
         return f"{self.kind} {who}: {self.field}: {self.reason}"
 
+    def to_dict(self) -> dict[str, str]:
+        return {
+            "kind": self.kind,
+            "namespace": self.namespace,
+            "name": self.name,
+            "field": self.field,
+            "error": self.reason,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:

@@ -226,6 +226,17 @@ _SVC_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # IANA_SVC_NAME, 
 _PORT_NUMBER = re.compile(r"[0-9]{1,5}")
 
 
+def is_dns_label(value: str) -> bool:
+    """A namespace's, a Service's or a port's name: RFC 1123 label, lowercase."""
+    return _DNS_LABEL.fullmatch(value) is not None
+
+
+def is_dns_subdomain(value: str) -> bool:
+    """A Node's or a custom resource's name: dot-separated RFC 1123 labels, lowercase, at
+    most 253 characters."""
+    return len(value) <= 253 and all(is_dns_label(part) for part in value.split("."))
+
+
 def _dns_label(value: str, path: str) -> str:
     if not _DNS_LABEL.fullmatch(value):
         raise InvalidObject(
@@ -261,6 +272,10 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
 
     ports: list[ParsedPort] = []
     seen: set[tuple[str, Protocol]] = set()
+    # Like the API server: two ports of one Service never share a (port, protocol) or
+    # (nodePort, protocol), or they would fight over one frontend.
+    numbers: set[tuple[int, Protocol]] = set()
+    node_ports: set[tuple[int, Protocol]] = set()
     raw_ports = _list(spec.get("ports"), "spec.ports")
     for i, raw in enumerate(raw_ports):
         path = f"spec.ports[{i}]"
@@ -295,6 +310,12 @@ def parse_service(obj: dict[str, Any]) -> ParsedService:
         if (pname, proto) in seen:
             raise InvalidObject(f"{path}.name", f"Duplicate value: {pname!r} ({proto})")
         seen.add((pname, proto))
+        if (number, proto) in numbers:
+            raise InvalidObject(path, f"Duplicate value: port {number} ({proto})")
+        numbers.add((number, proto))
+        if node_port and (node_port, proto) in node_ports:
+            raise InvalidObject(f"{path}.nodePort", f"Duplicate value: {node_port} ({proto})")
+        node_ports.add((node_port, proto))
         ports.append(ParsedPort(pname, proto, number, target, node_port))
 
     external_ips = _ipv4_list(spec.get("externalIPs"), "spec.externalIPs")
@@ -434,39 +455,86 @@ def parse_endpoint_slice(obj: dict[str, Any]) -> ParsedSlice:
             )
         )
 
-    endpoints: list[ParsedEndpoint] = []
-    for i, raw in enumerate(_list(obj.get("endpoints"), "endpoints")):
-        path = f"endpoints[{i}]"
-        ep = _mapping(raw, path)
-        addrs = _list(ep.get("addresses"), f"{path}.addresses")
-        if not addrs:
-            raise InvalidObject(f"{path}.addresses", "required field is missing")
-        # Upstream uses only the first address of an endpoint.
-        ip = _ip_text(addrs[0], f"{path}.addresses[0]")
-        if not _is_v4(ip):
-            raise InvalidObject(f"{path}.addresses[0]", f"Invalid value: {addrs[0]!r}: not IPv4")
-        cond = _mapping(ep.get("conditions"), f"{path}.conditions")
-        hints = _mapping(ep.get("hints"), f"{path}.hints")
-        endpoints.append(
-            ParsedEndpoint(
-                ip=ip,
-                # A handful of node and zone names repeat over every endpoint of a cluster.
-                node_name=sys.intern(_str(ep.get("nodeName"), f"{path}.nodeName")),
-                zone=sys.intern(_str(ep.get("zone"), f"{path}.zone")),
-                ready=_condition(cond, "ready", True, path),
-                serving=_condition(cond, "serving", True, path),
-                terminating=_condition(cond, "terminating", False, path),
-                zone_hints=_hint_names(hints, "forZones", path),
-                node_hints=_hint_names(hints, "forNodes", path),
-            )
-        )
+    endpoints = tuple(
+        _plain_endpoint(raw) or _checked_endpoint(raw, f"endpoints[{i}]")
+        for i, raw in enumerate(_list(obj.get("endpoints"), "endpoints"))
+    )
     return ParsedSlice(
         namespace=namespace,
         name=name,
         service=service,
         ports=tuple(ports),
-        endpoints=tuple(endpoints),
+        endpoints=endpoints,
         trigger_time=_trigger_time(annotations.get(TRIGGER_TIME_ANNOTATION)),
+    )
+
+
+# A dotted quad already in canonical form (no leading zeros, each octet at most 255).
+_CANONICAL_IPV4 = re.compile(
+    r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+)
+
+
+def _plain_endpoint(raw: Any) -> ParsedEndpoint | None:
+    """The endpoint in its common shape (canonical IPv4, string names, boolean conditions,
+    no hints) without building a field path per check; None sends anything else to
+    _checked_endpoint, which gives the same result or names the bad field. A cluster's
+    endpoints are most of what a node parses."""
+    if type(raw) is not dict or "hints" in raw:
+        return None
+    addrs = raw.get("addresses")
+    if type(addrs) is not list or not addrs:
+        return None
+    ip = addrs[0]
+    if type(ip) is not str or _CANONICAL_IPV4.fullmatch(ip) is None:
+        return None
+    node = raw.get("nodeName", "")
+    zone = raw.get("zone", "")
+    if type(node) is not str or type(zone) is not str:
+        return None
+    cond = raw.get("conditions", _NO_CONDITIONS)
+    if type(cond) is not dict:
+        return None
+    ready, serving, terminating = (
+        cond.get("ready", True),
+        cond.get("serving", True),
+        cond.get("terminating", False),
+    )
+    if type(ready) is not bool or type(serving) is not bool or type(terminating) is not bool:
+        return None
+    return ParsedEndpoint(
+        ip=ip,
+        node_name=sys.intern(node),
+        zone=sys.intern(zone),
+        ready=ready,
+        serving=serving,
+        terminating=terminating,
+        zone_hints=_NO_HINTS,
+        node_hints=_NO_HINTS,
+    )
+
+
+def _checked_endpoint(raw: Any, path: str) -> ParsedEndpoint:
+    ep = _mapping(raw, path)
+    addrs = _list(ep.get("addresses"), f"{path}.addresses")
+    if not addrs:
+        raise InvalidObject(f"{path}.addresses", "required field is missing")
+    # Upstream uses only the first address of an endpoint.
+    ip = _ip_text(addrs[0], f"{path}.addresses[0]")
+    if not _is_v4(ip):
+        raise InvalidObject(f"{path}.addresses[0]", f"Invalid value: {addrs[0]!r}: not IPv4")
+    cond = _mapping(ep.get("conditions"), f"{path}.conditions")
+    hints = _mapping(ep.get("hints"), f"{path}.hints")
+    return ParsedEndpoint(
+        ip=ip,
+        # A handful of node and zone names repeat over every endpoint of a cluster.
+        node_name=sys.intern(_str(ep.get("nodeName"), f"{path}.nodeName")),
+        zone=sys.intern(_str(ep.get("zone"), f"{path}.zone")),
+        ready=_condition(cond, "ready", True, path),
+        serving=_condition(cond, "serving", True, path),
+        terminating=_condition(cond, "terminating", False, path),
+        zone_hints=_hint_names(hints, "forZones", path),
+        node_hints=_hint_names(hints, "forNodes", path),
     )
 
 
@@ -480,6 +548,7 @@ def _condition(cond: dict[str, Any], key: str, default: bool, path: str) -> bool
 
 
 _NO_HINTS: frozenset[str] = frozenset()
+_NO_CONDITIONS: dict[str, Any] = {}
 
 
 def _hint_names(hints: dict[str, Any], key: str, path: str) -> frozenset[str]:

@@ -62,6 +62,9 @@ class ChangeTracker:
         self._slices: dict[tuple[str, str], ParsedSlice] = {}  # (ns, slice name)
         self._slices_by_service: dict[str, set[tuple[str, str]]] = {}
         self._rejections: dict[ObjectKey, Rejection] = {}
+        # Services deliberately not programmed: "ns/name" -> (why, spec.externalName), so
+        # a preflight beside the running proxy sees them without re-reading the objects.
+        self._ignored: dict[str, tuple[str, str]] = {}
         self._node: ParsedNode | None = None
         self._dirty: set[str] = set()
         self._all_dirty = True
@@ -77,6 +80,12 @@ class ChangeTracker:
     @property
     def rejected_total(self) -> int:
         return len(self._rejections)
+
+    def rejections(self) -> tuple[Rejection, ...]:
+        """The objects skipped as invalid right now: known as soon as they arrive, before
+        any sync (an invalid object alone changes nothing to sync)."""
+        with self._lock:
+            return tuple(sorted(self._rejections.values(), key=str))
 
     def apply(self, events: Sequence[ObjectEvent]) -> bool:
         """Fold events into the state. Returns True if anything relevant changed."""
@@ -101,6 +110,9 @@ class ChangeTracker:
 
     def _parse(self, ev: ObjectEvent, parser: Callable[[dict[str, Any]], T]) -> T | None:
         """The parsed object, or None when deleted, ignored or invalid (then recorded)."""
+        svc_key = f"{ev.key.namespace}/{ev.key.name}" if ev.key.kind == SERVICE else None
+        if svc_key is not None:
+            self._ignored.pop(svc_key, None)
         if ev.obj is None:
             self._rejections.pop(ev.key, None)
             return None
@@ -109,9 +121,16 @@ class ChangeTracker:
         except IgnoredObject as why:
             self._rejections.pop(ev.key, None)
             log.info("ignoring %s: %s", ev.key, why)
+            if svc_key is not None:
+                spec = ev.obj.get("spec") or {}
+                external = spec.get("externalName") if spec.get("type") == "ExternalName" else ""
+                self._ignored[svc_key] = (str(why), str(external or ""))
             return None
         except InvalidObject as err:
             self._reject(ev.key, err)
+            return None
+        except Exception as err:  # a shape the parser did not foresee: this object alone
+            self._reject(ev.key, InvalidObject("", f"cannot be read ({type(err).__name__})"))
             return None
         self._rejections.pop(ev.key, None)
         return parsed
@@ -161,11 +180,8 @@ class ChangeTracker:
         if ev.obj is None:
             self._rejections.pop(ev.key, None)
         else:
-            try:
-                parsed = parse_node(ev.obj)
-                self._rejections.pop(ev.key, None)
-            except InvalidObject as err:
-                self._reject(ev.key, err)
+            parsed = self._parse(ev, parse_node)
+            if parsed is None:
                 return False
         if parsed == self._node:
             return False
@@ -202,6 +218,16 @@ class ChangeTracker:
         return Snapshot(
             node=node, services=services, rejections=rejections, trigger_times=trigger_times
         )
+
+    def parsed_objects(
+        self,
+    ) -> tuple[dict[str, ParsedService], list[ParsedSlice], dict[str, tuple[str, str]], set[str]]:
+        """What the objects are now, parsed: the programmed services, the slices, the ignored
+        services (why, externalName) and every Service key there is (invalid ones too)."""
+        with self._lock:
+            known = set(self._services) | set(self._ignored)
+            known |= {f"{k.namespace}/{k.name}" for k in self._rejections if k.kind == SERVICE}
+            return dict(self._services), list(self._slices.values()), dict(self._ignored), known
 
     def take_counts(self) -> ChangeCounts:
         with self._lock:
@@ -371,6 +397,11 @@ def _topology_mode(endpoints: Iterable[Endpoint], node_name: str, zone: str) -> 
 
 def snapshot_from_objects(objects: Iterable[dict[str, Any]], node_name: str) -> Snapshot:
     """One-shot helper (render, tests): build a snapshot from plain object dicts."""
+    return tracker_of(objects, node_name).snapshot()
+
+
+def tracker_of(objects: Iterable[dict[str, Any]], node_name: str) -> ChangeTracker:
+    """A ChangeTracker fed plain object dicts once."""
     tracker = ChangeTracker(node_name)
     events = []
     for obj in objects:
@@ -379,4 +410,4 @@ def snapshot_from_objects(objects: Iterable[dict[str, Any]], node_name: str) -> 
         ns = "" if kind == NODE else (meta.get("namespace") or "default")
         events.append(ObjectEvent(ObjectKey(kind, ns, str(meta.get("name", ""))), obj))
     tracker.apply(events)
-    return tracker.snapshot()
+    return tracker

@@ -10,9 +10,12 @@ from typing import Annotated
 
 import typer
 
-from kproxy.cli_common import UsageError, fail
+from kproxy.cli_common import UsageError, checked, fail
+from kproxy.config.durations import check_seconds
 from kproxy.defaults import DEFAULT_STATE_DIR
+from kproxy.modes import MODES
 from kproxy.ops.inputs import ops_inputs
+from kproxy.text import one_line
 
 
 def register(app: typer.Typer) -> None:
@@ -79,33 +82,80 @@ def status_command(
         raise typer.Exit(0 if running else 1)
     res = st.get("last_result") or {}
     lines = [
-        f"mode:            {st.get('mode')}  (node {st.get('node')}, pid {st.get('pid')}, "
+        f"mode:            {st.get('mode')}"
+        + (f" ({st['nftables_layout']} layout)" if st.get("nftables_layout") else "")
+        + f"  (node {st.get('node')}, pid {st.get('pid')}, "
         f"{'running' if running else 'NOT running'})",
         f"last sync:       {_age(st.get('last_sync'))}, took {st.get('last_duration') or 0:.3f} s "
         f"({'full' if res.get('full') else 'partial'}); "
         f"last full sync {_age(st.get('last_full_sync'))}",
         f"syncs:           {st.get('syncs')} ({st.get('full_syncs')} full), "
-        f"failures {st.get('failures')}",
+        f"failures {st.get('failures')} ({st.get('consecutive_failures', 0)} in a row now)",
+        "health:          "
+        + (
+            "healthy"
+            if st.get("healthy", True)
+            else "UNHEALTHY: a change has waited longer than 2 x syncPeriod (/healthz: 503)"
+        ),
         f"service ports:   {st.get('services')}; rules owned {res.get('rules_total', {})}",
         f"pending changes: {'yes' if st.get('pending') else 'no'}",
         f"invalid objects: {st.get('invalid_objects')}",
     ]
-    lines += [f"  - {r}" for r in st.get("rejections", [])[:20]]
+    # Rejections and errors quote object names and file contents: one line each.
+    lines += [f"  - {one_line(r)}" for r in st.get("rejections", [])[:20]]
+    lines += _source_problem_lines(st.get("source"))
     if st.get("last_error"):
-        lines.append(f"last error:      {st['last_error']}")
+        lines.append(f"last error:      {one_line(st['last_error'])}")
+    if st.get("state_dir_error"):
+        lines.append(f"state dir:       {one_line(st['state_dir_error'])}")
     typer.echo("\n".join(lines))
     raise typer.Exit(0 if running else 1)
+
+
+def _source_problem_lines(source: object) -> list[str]:
+    """The file source's failing files and skipped documents, one line each."""
+    if not isinstance(source, dict) or "failing_files" not in source:
+        return []
+
+    def where(p: dict[str, object]) -> str:
+        file = one_line(p.get("file"))
+        return f"{file}:{p['line']}" if p.get("line") else file
+
+    failing = source.get("failing_files") or []
+    skipped = source.get("skipped_documents") or []
+    lines = [f"failing files:   {len(failing)} (each keeps its last good objects)"]
+    lines += [f"  - {where(p)}: {one_line(p.get('error'))}" for p in failing[:20]]
+    if skipped:
+        lines.append(f"skipped documents: {len(skipped)}")
+        lines += [f"  - {where(p)}: {one_line(p.get('error'))}" for p in skipped[:20]]
+    return lines
 
 
 # --- switch --------------------------------------------------------------------------------------
 
 
+def _mode_or_previous(to: str) -> str:
+    if to != "previous" and to not in MODES:
+        raise ValueError(f"{to!r} is not a proxy mode ({', '.join(MODES)}) nor 'previous'")
+    return to
+
+
 def switch_command(
     to: Annotated[
-        str, typer.Option("--to", help="The mode to switch to, or 'previous' to roll back.")
+        str,
+        typer.Option(
+            "--to",
+            help="The mode to switch to, or 'previous' to roll back.",
+            callback=checked(_mode_or_previous),
+        ),
     ],
     timeout: Annotated[
-        float, typer.Option("--timeout", help="Give up (and keep the old mode) after S s.")
+        float,
+        typer.Option(
+            "--timeout",
+            help="Give up (and keep the old mode) after S s.",
+            callback=checked(check_seconds),
+        ),
     ] = 60.0,
     state_dir: StateDirOpt = DEFAULT_STATE_DIR,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
@@ -121,6 +171,15 @@ def switch_command(
     ] = None,
     admin_address: AdminAddressOpt = None,
     token_file: TokenFileOpt = None,
+    nftables_layout: Annotated[
+        str | None,
+        typer.Option(
+            "--nftables-layout",
+            help="With --to nftables: the layout to switch to (upstream or compact; default: "
+            "the one kproxy was started with). Switching between the layouts of nftables "
+            "mode is a switch like any other (each has its own table).",
+        ),
+    ] = None,
 ) -> None:
     """Switch the running kproxy to another proxy mode, live and make-before-break.
 
@@ -131,9 +190,16 @@ def switch_command(
     anything fails before that, the old mode keeps serving untouched and the report says
     why. Exit code 0 on success.
     """
+    from kproxy.dataplane.nftables.layouts import LAYOUTS, target_name
     from kproxy.ops.preflight.cli import print_gate, switch_gate
     from kproxy.server.admin import AdminUnavailable, call
 
+    if nftables_layout is not None and (nftables_layout not in LAYOUTS or to != "nftables"):
+        raise fail(
+            f"--nftables-layout: {nftables_layout!r} is not {' or '.join(LAYOUTS)}"
+            if nftables_layout not in LAYOUTS
+            else "--nftables-layout goes with --to nftables"
+        )
     try:
         inputs = ops_inputs(
             state_dir=state_dir,
@@ -155,6 +221,8 @@ def switch_command(
         raise fail(refusal["error"], code=1)
     try:
         request: dict[str, object] = {"op": "switch", "to": to, "timeout": timeout, "force": force}
+        if nftables_layout is not None:
+            request["nftables_layout"] = nftables_layout
         before = gate.backup_path() if gate is not None else None
         if before is not None:
             request["before"] = before
@@ -170,10 +238,12 @@ def switch_command(
         raise fail(str(report.get("error")), code=1)
     for st in report["steps"]:
         typer.echo(f"  {st['name']:<15} {st['seconds']:8.3f} s  {st['detail']}")
+    was = target_name(str(report["from_mode"]), report.get("from_layout"))
+    target = target_name(str(report["to_mode"]), report.get("to_layout"))
     if report.get("ok"):
         typer.secho(
-            f"switched {report['from_mode']} -> {report['to_mode']} in {report['duration']:.2f} s; "
-            f"{report.get('removed_total', 0)} objects of {report['from_mode']} removed"
+            f"switched {was} -> {target} in {report['duration']:.2f} s; "
+            f"{report.get('removed_total', 0)} objects of {was} removed"
             + (" (FORCED past blocking preflight findings)" if report.get("forced") else ""),
             fg=typer.colors.GREEN,
         )
@@ -181,8 +251,7 @@ def switch_command(
             typer.echo(f"  the removed objects, one a line: {report['removed_file']}")
         raise typer.Exit(0)
     typer.secho(
-        f"switch {report['from_mode']} -> {report['to_mode']} FAILED, "
-        f"{report['from_mode']} is still serving: {report.get('error')}",
+        f"switch {was} -> {target} FAILED, {was} is still serving: {report.get('error')}",
         fg=typer.colors.RED,
         err=True,
     )

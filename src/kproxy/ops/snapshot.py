@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import platform
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kproxy.host.commands import in_netns
+from kproxy.host.commands import in_netns, run_command
 
 if TYPE_CHECKING:  # the readers load only when a document is read (the daemon writes them)
     from kproxy.ops.inspect.destinations import Programmed
@@ -31,14 +30,7 @@ def _run(
 ) -> tuple[int, str, str]:
     if shutil.which(argv[0]) is None:
         return 127, "", f"{argv[0]} is not installed"
-    proc = subprocess.run(
-        in_netns(argv, netns),
-        input=input_data,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
+    proc = run_command(in_netns(argv, netns), input_data)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -47,10 +39,16 @@ def _section(argv: Sequence[str], netns: str | None) -> dict[str, Any]:
     return {"command": " ".join(argv), "ok": code == 0, "output": out, "error": err.strip()}
 
 
-# The nftables tables a snapshot records: kube-proxy's own. The whole ruleset would also
-# hold every iptables-nft rule (already in the iptables-nft section): at 10,000 services
-# `nft -j list ruleset` takes 54 s there, one table 0.4 s.
-NFT_TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"))
+# The nftables tables a snapshot records: kube-proxy's own ("nftables"), and kproxy's
+# compact layout's in a section of its own named like its dataplane ("nftables-compact"),
+# so that a snapshot taken during a switch between the layouts reads as two dataplanes.
+# The whole ruleset would also hold every iptables-nft rule (already in the iptables-nft
+# section): at 10,000 services `nft -j list ruleset` takes 54 s there, one table 0.4 s.
+NFT_SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "nftables": (("ip", "kube-proxy"), ("ip6", "kube-proxy")),
+    "nftables-compact": (("ip", "kproxy-compact"),),
+}
+NFT_TABLES = NFT_SECTIONS["nftables"]
 
 # argv -> (exit code, stdout, stderr), in whatever namespace the caller reads
 Reader = Callable[[list[str]], tuple[int, str, str]]
@@ -71,7 +69,11 @@ def join_nft_documents(outputs: list[str]) -> str:
     return '{"nftables": [' + ", ".join(parts) + "]}"
 
 
-NFT_COMMAND = "; ".join(f"nft -j list table {f} {n}" for f, n in NFT_TABLES)
+def nft_command(section: str = "nftables") -> str:
+    return "; ".join(f"nft -j list table {f} {n}" for f, n in NFT_SECTIONS[section])
+
+
+NFT_COMMAND = nft_command()
 
 # The sections of a snapshot, in order, and the command each records (None: the nftables
 # tables, nftables_section).
@@ -79,17 +81,19 @@ SECTIONS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
     ("iptables-nft", ("iptables-nft-save",)),
     ("iptables-legacy", ("iptables-legacy-save",)),
     ("nftables", None),
+    ("nftables-compact", None),
     ("ipset", ("ipset", "save")),
     ("ipvs", ("ipvsadm", "-S", "-n")),
     ("kube-ipvs0", ("ip", "-j", "addr", "show", "dev", "kube-ipvs0")),
 )
 
 
-def nftables_section(run: Reader) -> dict[str, Any]:
-    """kube-proxy's nftables tables as one `nft -j` document (absent tables are no error)."""
+def nftables_section(run: Reader, section: str = "nftables") -> dict[str, Any]:
+    """An nftables section's tables as one `nft -j` document (absent tables are no
+    error)."""
     outputs: list[str] = []
     errors = []
-    for family, name in NFT_TABLES:
+    for family, name in NFT_SECTIONS[section]:
         code, out, err = run(["nft", "-j", "list", "table", family, name])
         if code == 0:
             if out.lstrip().startswith("{"):
@@ -99,7 +103,7 @@ def nftables_section(run: Reader) -> dict[str, Any]:
         elif "No such file or directory" not in err and code != 127:
             errors.append(f"{family} {name}: {err.strip()}")
     return {
-        "command": NFT_COMMAND,
+        "command": nft_command(section),
         "ok": not errors,
         "output": join_nft_documents(outputs) if outputs else '{"nftables": []}',
         "error": "; ".join(errors),
@@ -132,7 +136,7 @@ def take(netns: str | None = None) -> dict[str, Any]:
     snap = header(netns)
     for key, argv in SECTIONS:
         if argv is None:
-            snap[key] = nftables_section(lambda cmd: _run(cmd, netns))
+            snap[key] = nftables_section(lambda cmd: _run(cmd, netns), key)
         else:
             snap[key] = _section(argv, netns)
     snap["conntrack"] = conntrack_usage(netns)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import codecs
 import json
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import IO
 
-from kproxy.host.commands import in_netns
-from kproxy.ops.snapshot import NFT_COMMAND, NFT_TABLES, SECTIONS, conntrack_usage, header
+from kproxy.host.commands import in_netns, run_command
+from kproxy.ops.snapshot import NFT_SECTIONS, SECTIONS, conntrack_usage, header, nft_command
 
 CHUNK = 1 << 20
 WHITESPACE = b" \t\r\n\x0b\x0c"
@@ -30,10 +29,8 @@ def _run_to_file(argv: list[str], netns: str | None) -> tuple[int, IO[bytes], st
     out = tempfile.TemporaryFile()  # noqa: SIM115 (the caller closes it)
     if shutil.which(argv[0]) is None:
         return 127, out, f"{argv[0]} is not installed"
-    proc = subprocess.run(
-        in_netns(argv, netns), stdout=out, stderr=subprocess.PIPE, check=False, timeout=120
-    )
-    return proc.returncode, out, proc.stderr.decode(errors="replace")
+    proc = run_command(in_netns(argv, netns), stdout=out)
+    return proc.returncode, out, proc.stderr
 
 
 def _strip(f: IO[bytes], start: int, end: int) -> tuple[int, int]:
@@ -103,13 +100,13 @@ def _section_into(out: IO[str], argv: list[str], netns: str | None) -> None:
         out.write(f'", "error": {json.dumps(err.strip())}}}')
 
 
-def _nftables_into(out: IO[str], netns: str | None) -> None:
-    """kube-proxy's nftables tables as one `nft -j` document, joined by text
+def _nftables_into(out: IO[str], netns: str | None, section: str) -> None:
+    """An nftables section's tables as one `nft -j` document, joined by text
     (ops.snapshot.nftables_section does the same in memory)."""
     docs: list[tuple[IO[bytes], int, int]] = []
     errors: list[str] = []
     try:
-        for family, name in NFT_TABLES:
+        for family, name in NFT_SECTIONS[section]:
             code, f, err = _run_to_file(["nft", "-j", "list", "table", family, name], netns)
             if code != 0:
                 f.close()
@@ -125,7 +122,8 @@ def _nftables_into(out: IO[str], netns: str | None) -> None:
                 f.close()
                 continue
             docs.append((f, start, end))
-        out.write(f'{{"command": {json.dumps(NFT_COMMAND)}, "ok": {json.dumps(not errors)}, ')
+        command = nft_command(section)
+        out.write(f'{{"command": {json.dumps(command)}, "ok": {json.dumps(not errors)}, ')
         out.write('"output": "')
         if len(docs) == 1:
             _escape_into(out, *docs[0])
@@ -159,7 +157,7 @@ def write_node_snapshot(path: Path, netns: str | None = None) -> None:
         for key, argv in SECTIONS:
             out.write(f" {json.dumps(key)}: ")
             if argv is None:
-                _nftables_into(out, netns)
+                _nftables_into(out, netns, key)
             else:
                 _section_into(out, list(argv), netns)
             out.write(",\n")

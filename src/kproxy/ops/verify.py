@@ -37,6 +37,9 @@ from typing import Annotated, Any
 
 import typer
 
+from kproxy.cli_common import checked
+from kproxy.config.addresses import parse_port, split_host_port
+from kproxy.config.durations import parse_duration, parse_positive_duration
 from kproxy.defaults import DEFAULT_STATE_DIR
 
 SYNC_HISTOGRAM = "kubeproxy_sync_proxy_rules_duration_seconds"
@@ -723,6 +726,27 @@ def register(app: typer.Typer) -> None:
     app.command("verify")(verify_command)
 
 
+def _at_least_zero(value: float) -> float:
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{value} must be 0 or more (and finite)")
+    return value
+
+
+def _more_than_zero(value: float) -> float:
+    if not 0 < value < math.inf:
+        raise ValueError(f"{value} must be more than 0 (and finite)")
+    return value
+
+
+def _metrics_address(text: str) -> str:
+    # HOST:PORT; HOST an IP or a name (empty: this machine).
+    parts = split_host_port(text)
+    if parts is None or not re.fullmatch(r"[A-Za-z0-9.:_-]*", parts[0]):
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:10249)")
+    parse_port(parts[1])
+    return text
+
+
 def verify_command(
     for_: Annotated[
         str | None,
@@ -730,10 +754,16 @@ def verify_command(
             "--for",
             help="Watch for this long (e.g. 30m), sampling every --interval; "
             "default: one look now.",
+            callback=checked(parse_positive_duration),
         ),
     ] = None,
     interval: Annotated[
-        str, typer.Option("--interval", help="Between samples with --for (e.g. 5s).")
+        str,
+        typer.Option(
+            "--interval",
+            help="Between samples with --for (e.g. 5s).",
+            callback=checked(parse_positive_duration),
+        ),
     ] = "5s",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable verdict.")] = False,
     state_dir: Annotated[
@@ -744,23 +774,46 @@ def verify_command(
         typer.Option(
             "--metrics-address",
             help="host:port of its /metrics (default: from its flags and config file).",
+            callback=checked(_metrics_address),
         ),
     ] = None,
     max_sync_p99: Annotated[
-        str, typer.Option("--max-sync-p99", help="p99 sync duration must stay below.")
+        str,
+        typer.Option(
+            "--max-sync-p99",
+            help="p99 sync duration must stay below.",
+            callback=checked(parse_positive_duration),
+        ),
     ] = "2s",
     max_rss: Annotated[
-        str, typer.Option("--max-rss", help="RSS must stay below (512Mi, 1Gi, 800M).")
+        str,
+        typer.Option(
+            "--max-rss",
+            help="RSS must stay below (512Mi, 1Gi, 800M).",
+            callback=checked(parse_size),
+        ),
     ] = "512Mi",
     max_cpu: Annotated[
-        float, typer.Option("--max-cpu", help="CPU in cores must stay below.")
+        float,
+        typer.Option(
+            "--max-cpu", help="CPU in cores must stay below.", callback=checked(_at_least_zero)
+        ),
     ] = 0.3,
     max_failures: Annotated[
-        int, typer.Option("--max-failures", help="Restore/sync failures allowed.")
+        int,
+        typer.Option(
+            "--max-failures",
+            help="Restore/sync failures allowed.",
+            callback=checked(_at_least_zero),
+        ),
     ] = 0,
     min_sync_rate: Annotated[
         float,
-        typer.Option("--min-syncs-per-minute", help="Successful syncs while changes wait."),
+        typer.Option(
+            "--min-syncs-per-minute",
+            help="Successful syncs while changes wait.",
+            callback=checked(_more_than_zero),
+        ),
     ] = 1.0,
 ) -> None:
     """The golden-metric verdict after a switch: sync p99, service count in the dataplane vs
@@ -768,27 +821,18 @@ def verify_command(
     kproxy. Exit code 0 when healthy, 1 naming each breach, 2 for bad arguments. Run it in
     the proxy's network namespace."""
     from kproxy.cli_common import fail
-    from kproxy.config import parse_duration
     from kproxy.ops.inputs import ops_inputs
 
-    try:
-        duration = parse_duration(for_) if for_ is not None else None
-        step = parse_duration(interval)
-        thresholds = Thresholds(
-            sync_p99=parse_duration(max_sync_p99),
-            rss=parse_size(max_rss),
-            cpu=max_cpu,
-            failures=max_failures,
-            syncs_per_minute=min_sync_rate,
-        )
-        if duration is not None and duration <= 0:
-            raise ValueError(f"--for {for_!r} must be positive")
-        if step <= 0:
-            raise ValueError(f"--interval {interval!r} must be positive")
-        if min_sync_rate <= 0:
-            raise ValueError("--min-syncs-per-minute must be positive")
-    except ValueError as err:
-        raise fail(str(err)) from None
+    # The option callbacks checked every value.
+    duration = parse_duration(for_) if for_ is not None else None
+    step = parse_duration(interval)
+    thresholds = Thresholds(
+        sync_p99=parse_duration(max_sync_p99),
+        rss=parse_size(max_rss),
+        cpu=max_cpu,
+        failures=max_failures,
+        syncs_per_minute=min_sync_rate,
+    )
     inputs = ops_inputs(state_dir=state_dir)
     collector = Collector(inputs.state_dir, metrics_address=metrics_address)
     first = collector.sample()

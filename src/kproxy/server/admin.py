@@ -23,17 +23,27 @@ import os
 import secrets
 import socket
 import socketserver
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kproxy.text import one_line
+
 log = logging.getLogger("kproxy.admin")
 
 SOCKET_NAME = "admin.sock"
 TOKEN_NAME = "admin.token"
-MAX_REQUEST = 64 * 1024
+MAX_REQUEST = 64 * 1024  # bytes of one request line
+READ_TIMEOUT = 10.0  # seconds a client has to send its whole request line
+WRITE_TIMEOUT = 10.0  # seconds an answer may take to be taken
+DRAIN_TIMEOUT = 1.0  # seconds a client has to close its side after the answer
+BUSY_DRAIN = 0.2  # the same for a client refused as "busy"
+MAX_CONNECTIONS = 32  # connections served at once, per server
+MAX_ANSWER = 64 * 1024 * 1024  # bytes a client reads of an answer (a status is ~100 KiB)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -63,20 +73,76 @@ def parse_admin_address(text: str) -> tuple[str, int]:
     return str(ip), port
 
 
+class BadRequest(ValueError):
+    """A request that cannot be read or is not one JSON object; answered, never raised on."""
+
+
+def read_request(sock: socket.socket, deadline: float) -> bytes:
+    """The request line's bytes (without its newline), read until the newline or until the
+    client closes its side; BadRequest when it is longer than MAX_REQUEST or not complete by
+    `deadline` (time.monotonic()), so a slow or silent client cannot hold its thread."""
+    data = bytearray()
+    while True:
+        end = data.find(b"\n")
+        if end >= 0:
+            data = data[:end]
+            break
+        if len(data) > MAX_REQUEST:
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BadRequest(f"no complete request line within {READ_TIMEOUT:.0f} s")
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(MAX_REQUEST + 1 - len(data))
+        except TimeoutError:
+            raise BadRequest(f"no complete request line within {READ_TIMEOUT:.0f} s") from None
+        if not chunk:
+            break  # the client closed its side: what it sent is the request
+        data += chunk
+    if len(data) > MAX_REQUEST:
+        raise BadRequest(f"longer than {MAX_REQUEST} bytes")
+    return bytes(data)
+
+
+def decode_request(data: bytes) -> dict[str, Any]:
+    """One JSON object from the request's bytes; BadRequest saying what is wrong."""
+    if not data.strip():
+        raise BadRequest("empty request; send one JSON object on one line")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"not UTF-8 (byte {err.start})") from None
+    try:
+        request = json.loads(text)
+    except RecursionError:
+        raise BadRequest("JSON nested too deeply") from None
+    except ValueError as err:
+        raise BadRequest(f"not JSON: {err}") from None
+    if not isinstance(request, dict):
+        raise BadRequest("a request is a JSON object")
+    return request
+
+
+def token_matches(given: object, token: bytes) -> bool:
+    """Whether a request's token is the secret, compared in constant time on bytes (any
+    text, also non-ASCII or a lone surrogate, is compared, never raised on)."""
+    candidate = given.encode("utf-8", "surrogatepass") if isinstance(given, str) else b""
+    return hmac.compare_digest(candidate, token)
+
+
 def _handler_class(handlers: dict[str, Handler], token: str | None) -> type:
     """One request per connection; with a token, only requests that carry it."""
+    secret = token.encode() if token is not None else None
 
-    class Conn(socketserver.StreamRequestHandler):
+    class Conn(socketserver.BaseRequestHandler):
         def handle(self) -> None:
-            line = self.rfile.readline(MAX_REQUEST)
             try:
-                request = json.loads(line)
-                if not isinstance(request, dict):
-                    raise ValueError("a request is a JSON object")
+                request = decode_request(
+                    read_request(self.request, time.monotonic() + READ_TIMEOUT)
+                )
                 given = request.pop("token", None)
-                if token is not None and not (
-                    isinstance(given, str) and hmac.compare_digest(given, token)
-                ):
+                if secret is not None and not token_matches(given, secret):
                     answer = {
                         "ok": False,
                         "error": f"unauthorized: the TCP admin endpoint needs the token in "
@@ -84,34 +150,95 @@ def _handler_class(handlers: dict[str, Handler], token: str | None) -> type:
                     }
                 else:
                     answer = _answer(handlers, request)
-            except ValueError as err:
+            except BadRequest as err:
                 answer = {"ok": False, "error": f"bad request: {err}"}
-            self.wfile.write(json.dumps(answer).encode() + b"\n")
+            except OSError as err:  # the client went away: nobody to answer
+                log.debug("admin request not read: %s", err)
+                return
+            try:
+                self.request.settimeout(WRITE_TIMEOUT)
+                self.request.sendall(json.dumps(answer).encode() + b"\n")
+                _drain(self.request, DRAIN_TIMEOUT)
+            except OSError as err:
+                log.debug("admin answer not delivered: %s", err)
 
     return Conn
+
+
+def _drain(sock: socket.socket, timeout: float) -> None:
+    """End our side, then read (bounded) what the client still sends: closing a socket with
+    unread input resets the connection, and a reset can lose the answer on its way."""
+    sock.shutdown(socket.SHUT_WR)
+    sock.settimeout(timeout)
+    left = MAX_REQUEST * 16
+    while left > 0 and (chunk := sock.recv(65536)):
+        left -= len(chunk)
 
 
 def _answer(handlers: dict[str, Handler], request: dict[str, Any]) -> dict[str, Any]:
     op = request.get("op")
     handler = handlers.get(op) if isinstance(op, str) else None
     if handler is None:
-        return {"ok": False, "error": f"unknown op {op!r}; known: {', '.join(sorted(handlers))}"}
+        shown = repr(op)[:80]  # repr: printable, one line
+        return {"ok": False, "error": f"unknown op {shown}; known: {', '.join(sorted(handlers))}"}
     try:
         return handler(request)
     except ValueError as err:
-        return {"ok": False, "error": f"bad request: {err}"}
-    except Exception as err:  # report, never kill the server
-        log.exception("admin request failed")
-        return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+        return {"ok": False, "error": f"bad request: {one_line(err, limit=500)}"}
+    except Exception as err:  # a bug in a handler: reported, and the server keeps serving
+        log.exception("admin request %s failed", op)
+        return {"ok": False, "error": f"{type(err).__name__}: {one_line(err, limit=500)}"}
 
 
-class _LoopbackServer(socketserver.ThreadingTCPServer):
-    allow_reuse_address = True
+class _Served:
+    """What both admin servers share: a bounded number of connections at once (a further
+    one is answered "busy" at once), and a failed connection logged in one line, not as
+    socketserver's traceback on stderr."""
+
     daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            # Answered here, in the accepting thread: no thread for it, and a flood of
+            # connections is slowed to BUSY_DRAIN each.
+            with contextlib.suppress(OSError):
+                request.settimeout(BUSY_DRAIN)
+                request.sendall(_BUSY)
+                _drain(request, BUSY_DRAIN)
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+            return
+        super().process_request(request, client_address)  # type: ignore[misc]
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)  # type: ignore[misc]
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        err = sys.exc_info()[1]
+        log.warning("admin connection failed: %s", one_line(f"{type(err).__name__}: {err}"))
+
+
+_BUSY = (
+    json.dumps({"ok": False, "error": "busy: too many admin connections at once; try again"}) + "\n"
+).encode()
+
+
+class _LoopbackServer(_Served, socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
 
 
 class _Loopback6Server(_LoopbackServer):
     address_family = socket.AF_INET6
+
+
+class _UnixServer(_Served, socketserver.ThreadingUnixStreamServer):
+    pass
 
 
 class AdminServer:
@@ -157,9 +284,7 @@ class AdminServer:
             self.path.unlink()  # a stale socket from a killed process
         old_umask = os.umask(0o177)  # the socket and the token are created 0600: root only
         try:
-            unix = socketserver.ThreadingUnixStreamServer(
-                str(self.path), _handler_class(self.handlers, None)
-            )
+            unix = _UnixServer(str(self.path), _handler_class(self.handlers, None))
             if self.tcp_address is not None:
                 with contextlib.suppress(FileNotFoundError):
                     self.token_path.unlink()
@@ -168,7 +293,6 @@ class AdminServer:
                     f.write(token + "\n")
         finally:
             os.umask(old_umask)
-        unix.daemon_threads = True
         self._servers.append(unix)
         for srv in self._servers:
             threading.Thread(target=srv.serve_forever, name="admin", daemon=True).start()
@@ -219,7 +343,11 @@ class AdminTarget:
         where = parse_admin_address(address)
         path = token_file or state_dir / TOKEN_NAME
         try:
-            token = path.read_text().strip()
+            token = path.read_bytes().decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"the admin token {path} is not the token kproxy run wrote (not ASCII text)"
+            ) from None
         except OSError as err:
             raise ValueError(
                 f"cannot read the admin token {path}: {err.strerror or err} (kproxy run writes "
@@ -258,9 +386,11 @@ def call(
         request = {**request, "token": target.token}
     try:
         with _connect(target, timeout) as s:
-            s.sendall(json.dumps(request).encode() + b"\n")
+            # It may answer (and close) before reading, e.g. "busy": read that answer.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                s.sendall(json.dumps(request).encode() + b"\n")
             data = b""
-            while not data.endswith(b"\n"):
+            while not data.endswith(b"\n") and len(data) <= MAX_ANSWER:
                 chunk = s.recv(65536)
                 if not chunk:
                     break
@@ -280,6 +410,15 @@ def call(
         ) from None
     except TimeoutError:
         raise AdminUnavailable(f"kproxy did not answer on {path} within {timeout:.0f} s") from None
+    except OSError as err:  # reset, unreachable, ...
+        raise AdminUnavailable(f"cannot ask kproxy on {path}: {err.strerror or err}") from None
     if not data:
         raise AdminUnavailable(f"kproxy closed {path} without answering")
-    return json.loads(data)
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        shown = one_line(data[:200].decode("utf-8", "replace"))
+        raise AdminUnavailable(f"{path} answered something that is not kproxy's: {shown!r}")
+    return answer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,9 +24,13 @@ from kproxy.dataplane.base import SyncResult
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import ChangeCounts
 from kproxy.server.metrics import IP_FAMILY, ProxyMetrics
+from kproxy.text import one_line
 
 log = logging.getLogger("kproxy.server")
 BIND_RETRY = 5.0
+# Seconds a client may take per read of its request (and per write of the answer): a silent
+# client's connection ends then instead of holding its thread.
+REQUEST_TIMEOUT = 10.0
 
 
 def go_time(ts: float) -> str:
@@ -88,7 +93,7 @@ class _Server:
         self.address = address
         self.handler = handler
         self.hard_fail = hard_fail
-        self.httpd: ThreadingHTTPServer | None = None
+        self.httpd: QuietHTTPServer | None = None
         self._stop = threading.Event()
 
     def start(self) -> None:
@@ -111,8 +116,7 @@ class _Server:
             threading.Thread(target=self._retry, args=(host, port), daemon=True).start()
 
     def _bind(self, host: str, port: int) -> None:
-        httpd = ThreadingHTTPServer((host, port), self.handler)
-        httpd.daemon_threads = True
+        httpd = QuietHTTPServer((host, port), self.handler)
         self.httpd = httpd
         threading.Thread(target=httpd.serve_forever, name=f"{self.name}-http", daemon=True).start()
         log.info("%s server listening on %s", self.name, self.address)
@@ -132,11 +136,26 @@ class _Server:
             self.httpd.server_close()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class QuietHTTPServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer whose failed connection (a client that reset it, say) is logged
+    in one line instead of socketserver's traceback on stderr."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        err = sys.exc_info()[1]
+        log.debug("http connection from %s failed: %s", client_address, one_line(err))
+
+
+class RequestHandler(BaseHTTPRequestHandler):
+    """The stdlib's request parsing (a bad request line is answered 400, an overlong one 414,
+    too many or too long headers 431), bounded in time, logged in one line."""
+
     server_version = "kproxy"
+    timeout = REQUEST_TIMEOUT
 
     def log_message(self, fmt: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), fmt % args)
+        log.debug("%s %s", self.address_string(), one_line(fmt % args, limit=300))
 
     def reply(
         self, code: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
@@ -153,7 +172,7 @@ class _Handler(BaseHTTPRequestHandler):
 def metrics_server(
     address: str, metrics: ProxyMetrics, mode: Callable[[], str], hard_fail: bool
 ) -> _Server:
-    class Handler(_Handler):
+    class Handler(RequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
@@ -171,7 +190,7 @@ def metrics_server(
 def health_server(
     address: str, state: HealthState, metrics: ProxyMetrics, hard_fail: bool
 ) -> _Server:
-    class Handler(_Handler):
+    class Handler(RequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path not in ("/healthz", "/livez"):

@@ -8,6 +8,7 @@ names below are upstream's, in subsystem `kubeproxy`; kproxy's own additions are
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -166,6 +167,12 @@ class ProxyMetrics:
             "Objects skipped as invalid (kind, namespace/name and field are logged)",
             registry=r,
         )
+        self.source_failing_files = Gauge(
+            "kproxy_source_failing_files",
+            "Source files that cannot be read or parsed now (they keep their last good "
+            "objects; file, line and error are in `kproxy status`)",
+            registry=r,
+        )
         self.sync_failures = Counter(
             "kproxy_sync_failures", "Cumulative failed syncs of any mode", ["mode"], registry=r
         )
@@ -224,6 +231,14 @@ class ProxyMetrics:
             self.no_local_endpoints.labels(traffic_policy=policy, ip_family=IP_FAMILY)
         self._trigger_seen: dict[str, float] = {}
 
+    def follow_inputs(
+        self, invalid_objects: Callable[[], int], failing_files: Callable[[], int]
+    ) -> None:
+        """Read the bad-input gauges at scrape time, so they move as soon as the input does
+        (an invalid object alone queues no sync)."""
+        self.invalid_objects.set_function(lambda: float(invalid_objects()))
+        self.source_failing_files.set_function(lambda: float(failing_files()))
+
     def switched(self, from_mode: str, to_mode: str, ok: bool, seconds: float) -> None:
         self.switches.labels(
             from_mode=from_mode, to_mode=to_mode, result="ok" if ok else "failed"
@@ -255,6 +270,8 @@ class ProxyMetrics:
             self.rules_total.labels(table=table, ip_family=fam).set(n)
         for table, n in result.rules_written.items():
             self.rules_last.labels(table=table, ip_family=fam).set(n)
+        if result.cleanup_failures:
+            self.nft_cleanup_failures.labels(ip_family=fam).inc(result.cleanup_failures)
         self.ipvs_virtual_servers.set(result.objects.get("ipvs_virtual_servers", 0))
         self.ipvs_real_servers.set(result.objects.get("ipvs_real_servers", 0))
         internal = external = 0

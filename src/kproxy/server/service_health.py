@@ -18,12 +18,12 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import BaseHTTPRequestHandler
 
 from kproxy.dataplane.base import SyncResult
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import ChangeCounts
+from kproxy.server.http import QuietHTTPServer, RequestHandler
 
 log = logging.getLogger("kproxy.server.service_health")
 
@@ -58,7 +58,7 @@ class _Instance:
         self.key = key
         self.port = port
         self.endpoints = 0
-        self.servers: list[ThreadingHTTPServer] = []
+        self.servers: list[QuietHTTPServer] = []
 
     def close(self) -> None:
         for httpd in self.servers:
@@ -147,8 +147,7 @@ class ServiceHealthServer:
     def _listen(self, inst: _Instance) -> None:
         addresses = self.addresses()
         for host in ["0.0.0.0"] if addresses is None else list(addresses):
-            httpd = ThreadingHTTPServer((host, inst.port), self._handler(inst.key))
-            httpd.daemon_threads = True
+            httpd = QuietHTTPServer((host, inst.port), self._handler(inst.key))
             inst.servers.append(httpd)
             threading.Thread(
                 target=httpd.serve_forever, name=f"hc-{inst.key[1]}:{inst.port}", daemon=True
@@ -172,12 +171,7 @@ class ServiceHealthServer:
     def _handler(self, key: ServiceKey) -> type[BaseHTTPRequestHandler]:
         answer = self._answer
 
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "kproxy"
-
-            def log_message(self, fmt: str, *args: Any) -> None:
-                log.debug("%s %s", self.address_string(), fmt % args)
-
+        class Handler(RequestHandler):
             def do_GET(self) -> None:  # any path, as upstream's handler
                 reply = answer(key)
                 if reply is None:

@@ -8,6 +8,13 @@ idle daemon reading 10,000 files costs next to nothing; without inotify it polls
 While watching, a change is acted on only once it has been seen on two consecutive polls (the
 same new content, or the file still gone), so a write or an editor's save caught half way
 never turns into deleted objects. That costs one poll of latency.
+
+Bad input is contained where it is: a file that cannot be read or parsed (not YAML, beyond
+the loader's limits, too big, not a regular file) is reported with its line and keeps its
+last good objects, as an informer keeps the last object it could decode, while every other
+file goes on; a document in a readable file that is not an object is skipped and reported,
+and the file's other objects go on. Only a file that is gone (on two polls) takes its
+objects away. Nothing in a file's content can stop the watch or the daemon's start.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import yaml
 
 from kproxy.sources.base import KINDS, NODE, EventSink, ObjectEvent, ObjectKey
 from kproxy.sources.dirwatch import DirWatch
-from kproxy.sources.yamlload import load_all
+from kproxy.sources.yamlload import LimitExceeded, check_depth, load_documents
 
 logger = logging.getLogger("kproxy.sources.files")
 
@@ -44,17 +51,43 @@ INITIAL_CHUNK_FILES = 256
 # How long stop() waits for the watcher; a sink blocked forever must not hang shutdown.
 _JOIN_TIMEOUT = 10.0
 
+# Larger files are refused unread: ten thousand Services with their EndpointSlices in one
+# file take about 12 MiB of YAML, and reading is all in memory.
+MAX_FILE_BYTES = 64 << 20
+
 _Objects = dict[ObjectKey, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """Something wrong in one file: the whole file (unreadable, unparsable) or one document
+    of it (skipped). The path and error hold outside text: through kproxy.text.one_line
+    wherever they are shown as a line."""
+
+    path: str
+    line: int | None
+    error: str
+
+    def __str__(self) -> str:
+        where = self.path + (f":{self.line}" if self.line is not None else "")
+        return f"{where}: {self.error}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"file": self.path, "line": self.line, "error": self.error}
 
 
 class _FileError(Exception):
     """A whole file could not be read or parsed; str() names the file and line."""
 
+    def __init__(self, path: Path | str, line: int | None, error: str) -> None:
+        self.problem = FileProblem(str(path), line, error[:300])
+        super().__init__(str(self.problem))
+
 
 @dataclass
 class _ParsedFile:
     objects: _Objects
-    problems: list[str]  # documents that were skipped, with the reason
+    problems: list[FileProblem]  # documents that were skipped, with the reason
 
 
 def _is_candidate(name: str) -> bool:
@@ -164,19 +197,26 @@ def _line_of(err: yaml.YAMLError) -> int | None:
     return None if mark is None else mark.line + 1
 
 
-def _load_documents(text: str, path: Path) -> list[Any]:
+def _load_documents(text: str, path: Path) -> list[tuple[int, Any]]:
+    """(line, document) for every document of the file's text; _FileError naming the line."""
     if path.suffix.lower() == ".json":
         try:
-            return [json.loads(text)]
+            doc = json.loads(text)
         except json.JSONDecodeError as e:
-            raise _FileError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+            raise _FileError(path, e.lineno, f"invalid JSON: {e.msg}") from e
+        except RecursionError:  # deeper than Python's JSON parser goes
+            raise _FileError(path, None, "invalid JSON: nested too deep") from None
+        try:
+            check_depth(doc)
+        except ValueError as e:
+            raise _FileError(path, None, f"invalid JSON: {e}") from None
+        return [(1, doc)]
     try:
-        return load_all(text)
+        return load_documents(text)
     except yaml.YAMLError as e:
-        line = _line_of(e)
-        where = f"{path}:{line}" if line is not None else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise _FileError(f"{where}: invalid YAML: {problem}") from e
+        what = "refused" if isinstance(e, LimitExceeded) else "invalid YAML"
+        raise _FileError(path, _line_of(e), f"{what}: {problem}") from e
 
 
 def _expand(doc: Any, where: str) -> Iterator[tuple[str, Any]]:
@@ -186,8 +226,13 @@ def _expand(doc: Any, where: str) -> Iterator[tuple[str, Any]]:
             yield from _expand(item, f"{where}, item {i}")
         return
     kind = doc.get("kind") if isinstance(doc, dict) else None
-    if not (isinstance(kind, str) and kind.endswith("List") and isinstance(doc.get("items"), list)):
+    if not (isinstance(kind, str) and kind.endswith("List")):
         yield where, doc
+        return
+    if not isinstance(doc.get("items"), list):
+        items = doc.get("items")
+        if items is not None:  # an empty List may print `items: null`
+            yield where, f"{kind}: items is {type(items).__name__}, not a list"
         return
     # `kubectl get -o yaml` of one kind prints a typed list whose items may omit kind and
     # apiVersion; the list's own values are what they would have been.
@@ -218,49 +263,88 @@ def _key_of(obj: dict[str, Any]) -> ObjectKey | str:
 
 
 def _parse_text(text: str, path: Path) -> _ParsedFile:
-    """Objects in one file's text; raises _FileError when the file as a whole is unreadable."""
+    """Objects in one file's text; raises _FileError when the file as a whole is unreadable.
+    Each document (each item of a List) is taken or skipped on its own."""
     objects: _Objects = {}
-    problems: list[str] = []
-    for n, doc in enumerate(_load_documents(text, path), start=1):
+    problems: list[FileProblem] = []
+
+    def skip(line: int, where: str, why: str) -> None:
+        problems.append(FileProblem(str(path), line, f"{where}: skipped: {why}"))
+
+    for n, (line, doc) in enumerate(_load_documents(text, path), start=1):
         for where, obj in _expand(doc, f"document {n}"):
             if obj is None:
                 continue
+            if isinstance(obj, str):  # _expand's reason why a List gives no objects
+                skip(line, where, obj)
+                continue
             if not isinstance(obj, dict):
-                problems.append(f"{path} ({where}): skipped: not an object")
+                skip(line, where, f"not an object but a {type(obj).__name__}")
                 continue
             kind = obj.get("kind")
             if not isinstance(kind, str) or not kind:
-                problems.append(f"{path} ({where}): skipped: no kind")
+                skip(line, where, "no kind")
                 continue
             if kind not in KINDS:
                 logger.debug("%s (%s): ignoring kind %s", path, where, kind)
                 continue
             key = _key_of(obj)
             if isinstance(key, str):
-                problems.append(f"{path} ({where}): skipped: {key}")
+                skip(line, where, key)
                 continue
             if key in objects:
-                problems.append(f"{path} ({where}): {key} appears again; the later one wins")
+                problems.append(
+                    FileProblem(
+                        str(path), line, f"{where}: {key} appears again; the later one wins"
+                    )
+                )
             objects[key] = obj
     return _ParsedFile(objects, problems)
 
 
-def _parse_file(path: Path) -> _ParsedFile:
+def _read(path: str | Path) -> bytes:
+    """A file's bytes; FileNotFoundError if it is gone, _FileError if it cannot be read."""
     try:
-        data = path.read_bytes()
+        # Non-blocking: opening a FIFO for reading would otherwise wait for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):  # a FIFO would block the watcher for good
+                raise _FileError(path, None, "not a regular file")
+            if st.st_size > MAX_FILE_BYTES:
+                raise _FileError(path, None, _too_big(st.st_size))
+            data = fh.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise _FileError(f"{path}: cannot read: {e.strerror or e}") from e
-    return _parse_bytes(data, path)
+        raise _FileError(path, None, f"cannot read: {e.strerror or e}") from e
+    if len(data) > MAX_FILE_BYTES:  # grew while being read
+        raise _FileError(path, None, _too_big(len(data)))
+    return data
+
+
+def _too_big(size: int) -> str:
+    return f"{size} bytes: larger than the {MAX_FILE_BYTES >> 20} MiB kproxy reads in one file"
+
+
+def _parse_file(path: Path) -> _ParsedFile:
+    return _parse_bytes(_read(path), path)
 
 
 def _parse_bytes(data: bytes, path: Path) -> _ParsedFile:
+    """The file's objects, or _FileError: whatever the bytes, never another exception."""
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise _FileError(f"{path}: not UTF-8 text (byte {e.start})") from e
-    return _parse_text(text, path)
+        raise _FileError(path, None, f"not UTF-8 text (byte {e.start})") from e
+    try:
+        return _parse_text(text, path)
+    except _FileError:
+        raise
+    except Exception as e:
+        # Nothing known gets here (the loader's limits hold); should anything, it is this
+        # file's problem alone.
+        raise _FileError(path, None, f"cannot be read: {type(e).__name__}: {e}") from e
 
 
 def _merge(
@@ -290,23 +374,40 @@ def _require(path: Path) -> None:
 def load_path(path: str | Path) -> tuple[dict[ObjectKey, dict[str, Any]], list[str]]:
     """Read a file or folder once: the objects and every problem found (files that failed to
     parse, skipped documents, duplicate keys). Raises FileNotFoundError if path is missing."""
+    loaded = read_path(path)
+    return loaded.objects, [str(p) for p in loaded.failed + loaded.skipped] + loaded.duplicates
+
+
+@dataclass
+class Loaded:
+    """A file or folder read once (see read_path)."""
+
+    objects: _Objects
+    failed: list[FileProblem]  # files that could not be read or parsed: none of their objects
+    skipped: list[FileProblem]  # documents skipped in files that were read
+    duplicates: list[str]  # keys defined in several files, and which file wins
+
+
+def read_path(path: str | Path) -> Loaded:
+    """Read a file or folder once, each file on its own. Raises FileNotFoundError if path is
+    missing."""
     root = Path(path)
     _require(root)
     per_file: list[tuple[Path, _Objects]] = []
-    errors: list[str] = []
+    failed: list[FileProblem] = []
+    skipped: list[FileProblem] = []
     for p in discover(root):
         try:
             result = _parse_file(p)
         except FileNotFoundError:
             continue  # removed while we were listing
         except _FileError as e:
-            errors.append(str(e))
+            failed.append(e.problem)
             continue
-        errors.extend(result.problems)
+        skipped.extend(result.problems)
         per_file.append((p, result.objects))
     merged, dups = _merge(per_file)
-    errors.extend(_duplicate_message(k, ps) for k, ps in dups.items())
-    return merged, errors
+    return Loaded(merged, failed, skipped, [_duplicate_message(k, ps) for k, ps in dups.items()])
 
 
 @dataclass
@@ -318,12 +419,16 @@ class _FileState:
     # Last good content, as one digest per object: the objects themselves go to the sink
     # and are not kept here (at 10,000 services that is most of the daemon's memory).
     objects: dict[ObjectKey, bytes] = field(default_factory=dict)
-    error: str | None = None
+    error: FileProblem | None = None
+    skipped: list[FileProblem] = field(default_factory=list)  # of the last good content
     missing: bool = False
 
 
 def _object_digest(obj: dict[str, Any]) -> bytes:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    try:
+        text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    except TypeError:  # keys of mixed types cannot be sorted; any stable text will do
+        text = repr(obj)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
@@ -336,8 +441,8 @@ class FileSource:
     an event, polls every poll_interval seconds until the change has settled; without
     inotify, or every rescan_interval seconds as a safety net for filesystems that send no
     events, it polls anyway. A file that stops parsing keeps its last good objects (counted
-    in parse_errors / last_error); a removed file's objects are deleted; a key defined in
-    several files comes from the last one in path order.
+    in parse_errors / last_error and listed by problems()); a removed file's objects are
+    deleted; a key defined in several files comes from the last one in path order.
     """
 
     def __init__(
@@ -374,7 +479,26 @@ class FileSource:
     def current_errors(self) -> dict[Path, str]:
         """Files failing right now (their last good objects are still served)."""
         # list() first: the watcher thread may be adding or removing files meanwhile.
-        return {Path(p): s.error for p, s in list(self._states.items()) if s.error is not None}
+        return {Path(p): str(s.error) for p, s in list(self._states.items()) if s.error}
+
+    def problems(self) -> tuple[list[FileProblem], list[FileProblem]]:
+        """(files failing right now, documents skipped in the files as last read), in path
+        order; an entry goes once its file is fixed or gone."""
+        states = sorted(list(self._states.items()), key=lambda ps: _path_order(ps[0]))
+        failed = [s.error for _, s in states if s.error is not None]
+        return failed, [p for _, s in states for p in s.skipped]
+
+    def state(self) -> dict[str, object]:
+        """What the status shows of this source: the files failing now and the documents
+        skipped, with file, line and error."""
+        failed, skipped = self.problems()
+        return {
+            "path": str(self.path),
+            "files": len(self._states),
+            "parse_errors": self.parse_errors,
+            "failing_files": [p.to_dict() for p in failed],
+            "skipped_documents": [p.to_dict() for p in skipped],
+        }
 
     def start(self, sink: EventSink) -> None:
         if self._thread is not None:
@@ -549,7 +673,7 @@ class FileSource:
         if fresh is None:
             try:
                 fresh = self._fresh[path] = _parse_file(Path(path)).objects
-            except (OSError, _FileError):
+            except (OSError, _FileError):  # _parse_file raises nothing else
                 fresh = self._fresh[path] = {}
         obj = fresh.get(key)
         if obj is not None and _object_digest(obj) == digest:
@@ -578,9 +702,9 @@ class FileSource:
         except OSError as e:
             state = self._states.setdefault(path, _FileState())
             state.missing, state.sig, state.digest, state.pending = False, None, None, None
-            message = f"{path}: cannot stat: {e.strerror or e}"
+            problem = FileProblem(path, None, f"cannot stat: {e.strerror or e}")
             # Nothing like a signature to tell a new failure from the same one: compare text.
-            return False if state.error == message else self._failed(state, message)
+            return False if state.error == problem else self._failed(state, problem)
         if state is None:
             state = self._states[path] = _FileState()
         state.missing = False
@@ -590,14 +714,15 @@ class FileSource:
             return False
         now = time.time_ns()
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()
+            data = _read(path)
         except FileNotFoundError:
             return self._gone(path)
-        except OSError as e:
+        except _FileError as e:
             # Forget the digest so that the same good content, once readable, clears the error.
             state.sig, state.checked_ns, state.digest, state.pending = sig, now, None, None
-            return self._failed(state, f"{path}: cannot read: {e.strerror or e}")
+            if state.error == e.problem:
+                return False
+            return self._failed(state, e.problem)
         state.sig, state.checked_ns = sig, now
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if digest == state.digest:
@@ -613,12 +738,13 @@ class FileSource:
         try:
             result = _parse_bytes(data, Path(path))
         except _FileError as e:
-            return self._failed(state, str(e))
+            return self._failed(state, e.problem)
         for problem in result.problems:
             logger.warning("%s", problem)
         if state.error is not None:
             logger.info("%s is valid again", path)
         state.error = None
+        state.skipped = result.problems
         digests = {key: _object_digest(obj) for key, obj in result.objects.items()}
         self._fresh[path] = result.objects
         if digests == state.objects:
@@ -626,11 +752,12 @@ class FileSource:
         state.objects = digests
         return True
 
-    def _failed(self, state: _FileState, message: str) -> bool:
+    def _failed(self, state: _FileState, problem: FileProblem) -> bool:
         """Record a new failure of a file; its last good objects stay in force."""
+        message = str(problem)
         self.parse_errors += 1
         self.last_error = message
-        state.error = message
+        state.error = problem
         if state.objects:
             kept = f"keeping its last good {len(state.objects)} object(s)"
         else:

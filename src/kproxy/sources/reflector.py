@@ -135,6 +135,15 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"[:300]
 
 
+def _decode(line: bytes) -> Any:
+    """A watch stream's line as JSON. ValueError (which ends this watch; the next resumes
+    from the last version seen, as client-go's does) for a line that is not JSON."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("a watch event nested too deep to decode") from None
+
+
 # What a retry can cure: transport problems, server errors, garbage on the wire.
 TRANSIENT = (ApiError, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 
@@ -178,6 +187,8 @@ class Reflector:
         self.initial: list[ObjectEvent] = []
         self.lists = 0
         self.watches = 0
+        self.skipped = 0  # objects and watch events that could not be used
+        self.last_skipped: str | None = None
         self.health = HealthLog(f"{resource.describe()} list/watch")
         self.backoff = Backoff(self.timing.backoff_initial, self.timing.backoff_max)
         # "0": the first list may come from the API server's watch cache (cheap for it; the
@@ -309,7 +320,7 @@ class Reflector:
         meta = obj.get("metadata")
         name = meta.get("name") if isinstance(meta, dict) else None
         if not isinstance(name, str) or not name:
-            log.warning("%s: an object without metadata.name; skipped", self.resource.describe())
+            self._skip("an object without metadata.name")
             return None
         assert isinstance(meta, dict)
         if self.resource.kind == NODE:
@@ -320,6 +331,13 @@ class Reflector:
             namespace if isinstance(namespace, str) and namespace else "default",
             name,
         )
+
+    def _skip(self, why: str) -> None:
+        """One object or watch event that cannot be used: reported, and the watch goes on
+        (the object's next event, or the next list, may be usable)."""
+        self.skipped += 1
+        self.last_skipped = why
+        log.warning("%s: %s; skipped", self.resource.describe(), why)
 
     async def _watch(self) -> int:
         """One watch request until the server ends it; the number of object events."""
@@ -355,13 +373,18 @@ class Reflector:
                 if not line:
                     return count  # the server ended the watch (timeoutSeconds)
                 if line.strip():
-                    count += self._event(json.loads(line))
+                    count += self._event(_decode(line))
         finally:
             resp.close()
 
     def _event(self, event: Any) -> int:
+        """Apply one decoded watch event; the number of object events it was (0 or 1). An
+        event of the wrong shape is skipped and reported: the stream itself is intact (one
+        JSON document a line), so the events after it still arrive."""
         if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
-            raise ApiError(200, "", "malformed watch event")
+            what = type(event.get("object") if isinstance(event, dict) else event).__name__
+            self._skip(f"a watch event whose object is a {what}, not an object")
+            return 0
         kind, obj = event.get("type"), event["object"]
         if kind == "ERROR":
             err = status_error(200, obj)
@@ -398,4 +421,6 @@ class Reflector:
             "lists": self.lists,
             "watches": self.watches,
             "error": self.health.error,
+            "skipped": self.skipped,
+            "last_skipped": self.last_skipped,
         }

@@ -17,6 +17,8 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from kproxy.cli_common import checked
+
 rollout_app = typer.Typer(
     no_args_is_help=True,
     help="Roll a proxy-mode switch out across a cluster: canary, batches, soak, breakers, "
@@ -66,6 +68,38 @@ Soak = Annotated[str, typer.Option("--soak", help="Watch time after each stage (
 FromFile = Annotated[
     Path | None, typer.Option("-f", "--filename", help="A ProxyRollout manifest (YAML or JSON).")
 ]
+
+
+def _seconds(value: float) -> float:
+    from kproxy.config.durations import check_seconds
+
+    return check_seconds(value)
+
+
+def _object_name(text: str) -> str:
+    from kproxy.model.parse import is_dns_subdomain
+
+    if not is_dns_subdomain(text):
+        raise ValueError(f"{text!r} is not an object name (lowercase RFC 1123, e.g. to-nft)")
+    return text
+
+
+def _namespace(text: str) -> str:
+    from kproxy.model.parse import is_dns_label
+
+    if not is_dns_label(text):
+        raise ValueError(f"{text!r} is not a namespace name (lowercase RFC 1123 label)")
+    return text
+
+
+def _listen_address(text: str) -> tuple[str, int]:
+    """HOST:PORT to serve metrics on; an empty HOST is 127.0.0.1."""
+    from kproxy.config.addresses import parse_ip, parse_port, split_host_port
+
+    parts = split_host_port(text)
+    if parts is None:
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:9090)")
+    return (parse_ip(parts[0]) if parts[0] else "127.0.0.1"), parse_port(parts[1])
 
 
 class RolloutUsageError(Exception):
@@ -260,7 +294,10 @@ def plan_command(
         bool, typer.Option(help="Ask each node to preflight its switch (through the API).")
     ] = True,
     preflight_timeout: Annotated[
-        float, typer.Option(help="Seconds to wait for the nodes' preflight answers.")
+        float,
+        typer.Option(
+            help="Seconds to wait for the nodes' preflight answers.", callback=checked(_seconds)
+        ),
     ] = 60.0,
     json_out: JsonOut = False,
     kubeconfig: Kubeconfig = None,
@@ -296,7 +333,10 @@ def start_command(
     max_parallel: MaxParallel = "1",
     soak: Soak = "15m",
     filename: FromFile = None,
-    name: Annotated[str | None, typer.Option("--name", help="The ProxyRollout's name.")] = None,
+    name: Annotated[
+        str | None,
+        typer.Option("--name", help="The ProxyRollout's name.", callback=checked(_object_name)),
+    ] = None,
     plan_id: Annotated[
         str | None,
         typer.Option("--plan", help="The plan fingerprint you approved (`rollout plan`)."),
@@ -420,7 +460,7 @@ def _request(
         raise _fail(str(err)) from None
 
 
-NameRequired = Annotated[str, typer.Argument(help="The rollout.")]
+NameRequired = Annotated[str, typer.Argument(help="The rollout.", callback=checked(_object_name))]
 
 
 def _answer(name: str, verb: str, answer: str, json_out: bool, *, ok: bool = True) -> None:
@@ -432,7 +472,12 @@ def _answer(name: str, verb: str, answer: str, json_out: bool, *, ok: bool = Tru
 
 
 Timeout = Annotated[
-    float, typer.Option("--timeout", help="Seconds to wait for the controller's answer.")
+    float,
+    typer.Option(
+        "--timeout",
+        help="Seconds to wait for the controller's answer.",
+        callback=checked(_seconds),
+    ),
 ]
 
 
@@ -495,7 +540,12 @@ def undo_command(
     max_parallel: MaxParallel = "1",
     soak: Soak = "15m",
     new_name: Annotated[
-        str | None, typer.Option("--name", help="The undo's name (default: NAME-undo).")
+        str | None,
+        typer.Option(
+            "--name",
+            help="The undo's name (default: NAME-undo).",
+            callback=checked(_object_name),
+        ),
     ] = None,
     json_out: JsonOut = False,
     kubeconfig: Kubeconfig = None,
@@ -543,19 +593,36 @@ def undo_command(
 @rollout_app.command("run")
 def run_command(
     name: Annotated[
-        str | None, typer.Option("--name", help="Steer only this rollout (default: all).")
+        str | None,
+        typer.Option(
+            "--name",
+            help="Steer only this rollout (default: all).",
+            callback=checked(_object_name),
+        ),
     ] = None,
     lease_namespace: Annotated[
-        str, typer.Option(help="Namespace of the Lease that keeps one controller active.")
+        str,
+        typer.Option(
+            help="Namespace of the Lease that keeps one controller active.",
+            callback=checked(_namespace),
+        ),
     ] = "kube-system",
-    interval: Annotated[float, typer.Option(help="Seconds between steps.")] = 2.0,
+    interval: Annotated[
+        float, typer.Option(help="Seconds between steps.", callback=checked(_seconds))
+    ] = 2.0,
     lease_duration: Annotated[
         float,
-        typer.Option(help="Seconds a stopped controller's Lease holds off its successor."),
+        typer.Option(
+            help="Seconds a stopped controller's Lease holds off its successor.",
+            callback=checked(_seconds),
+        ),
     ] = 15.0,
     metrics_address: Annotated[
         str | None,
-        typer.Option(help="Serve kproxy_rollout_* metrics on HOST:PORT (default: off)."),
+        typer.Option(
+            help="Serve kproxy_rollout_* metrics on HOST:PORT (default: off).",
+            callback=checked(_listen_address),
+        ),
     ] = None,
     kubeconfig: Kubeconfig = None,
     master: Master = None,
@@ -567,17 +634,20 @@ def run_command(
     from kproxy.cluster.rollout.controller import RolloutController
     from kproxy.cluster.rollout.metrics import RolloutMetrics
     from kproxy.sources.clientsettings import ClientConfigError
+    from kproxy.text import log_to_stderr
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    log_to_stderr(logging.INFO, "%(asctime)s %(name)s %(message)s")
     metrics = RolloutMetrics()
     if metrics_address:
         from prometheus_client import start_http_server
 
-        host, _, port = metrics_address.rpartition(":")
+        host, port = _listen_address(metrics_address)
         try:
-            start_http_server(int(port), addr=host or "127.0.0.1", registry=metrics.registry)
-        except (ValueError, OSError) as err:
-            raise _fail(f"--metrics-address {metrics_address}: {err}", EXIT_USAGE) from None
+            start_http_server(port, addr=host, registry=metrics.registry)
+        except OSError as err:
+            raise _fail(
+                f"--metrics-address {metrics_address}: {err.strerror or err}", EXIT_USAGE
+            ) from None
     controller = RolloutController(
         _settings(kubeconfig, master),
         lease_namespace=lease_namespace,

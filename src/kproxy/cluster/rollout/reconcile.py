@@ -37,6 +37,7 @@ from kproxy.cluster.annotations import (
 from kproxy.cluster.rollout import status as st
 from kproxy.cluster.rollout.plan import NodeInfo, Plan
 from kproxy.cluster.rollout.spec import WEEKDAYS, Breaker, MaintenanceWindow, RolloutSpec, resolve
+from kproxy.text import one_line
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,15 @@ class NodeReport:
     def of(cls, node: dict[str, Any]) -> NodeReport:
         info = NodeInfo.of(node)
         ann = info.annotations
+        # Free text anyone who may annotate the Node can write; it reaches the rollout's
+        # status and Events, so one line each.
         return cls(
             info=info,
             declared=ann.get(MODE_ANNOTATION),
-            observed=ann.get(OBSERVED, ""),
-            switch_state=ann.get(SWITCH_STATE, ""),
-            switch_target=ann.get(SWITCH_TARGET, ""),
-            last_error=ann.get(LAST_ERROR, ""),
+            observed=one_line(ann.get(OBSERVED, ""), limit=63),
+            switch_state=one_line(ann.get(SWITCH_STATE, ""), limit=63),
+            switch_target=one_line(ann.get(SWITCH_TARGET, ""), limit=63),
+            last_error=one_line(ann.get(LAST_ERROR, ""), limit=1000),
             preflight=json_annotation(ann.get(PREFLIGHT_RESULT)),
             verify=VerifyReport.parse(ann.get(VERIFY)),
         )

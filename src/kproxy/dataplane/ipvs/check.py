@@ -16,12 +16,12 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kproxy.dataplane.base import DataplaneUnavailable
 from kproxy.dataplane.ipvs import names as n
+from kproxy.host.commands import run_command
 
 PERSIST_FILE = "/etc/modules-load.d/kproxy-ipvs.conf"
 CONNTRACK_MODULE = "nf_conntrack"
@@ -66,7 +66,7 @@ def _modprobe(name: str) -> bool:
     )
     if not tool:
         return False
-    proc = subprocess.run([tool, name], capture_output=True, text=True, check=False)
+    proc = run_command([tool, name])
     return proc.returncode == 0
 
 

@@ -20,6 +20,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kproxy.host import netlink_fault
 from kproxy.host.netns import socket_in_netns
 
 NLMSG_HDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
@@ -176,6 +177,8 @@ class NetlinkSocket:
         datagram synchronously in send() and queues an error reply for every failed
         message (acked or not) before that final ack, so once it arrives every failure
         of the datagram has been read."""
+        if netlink_fault.CONTROL is not None:
+            netlink_fault.inject("ipvs")
         failed: list[tuple[Request, int]] = []
         i = 0
         while i < len(requests):

@@ -307,6 +307,21 @@ class NftBackend:
             self._netlink = NftNetlink(self.netns, family=family)
         return self._netlink if self._netlink.family == FAMILIES.get(family) else None
 
+    def chains_with_rules(self, family: str, table: str) -> set[str] | None:
+        """The chains of a table that hold a rule, or None when that cannot be read (or
+        this backend's runner stands for the tools)."""
+        if self._runner is not run_command:
+            return None
+        try:
+            if self._netlink is None:
+                self._netlink = NftNetlink(self.netns, family=family)
+            if self._netlink.family != FAMILIES[family]:
+                return None
+            return self._netlink.chains_with_rules(table)
+        except (NetlinkError, OSError, KeyError) as err:
+            log.debug("cannot dump the rules of %s %s: %s", family, table, err)
+            return None
+
     def chains(self, family: str, table: str) -> list[str]:
         """Names of the chains of one table: one netlink dump (nft 1.0.6 `list chains`
         first fetches every set element of the family), `nft -j list chains` if that fails."""

@@ -137,6 +137,7 @@ class CompactPlanner(NftablesPlanner):
             return super()._build(sp)
         r = port_reach(sp, self.node_ip)
         elements, fw = filter_side(sp, r)
+        spn = str(sp.name)
         shared: list[str] = []
 
         def dispatch(container: str, key: str, chain: str, lists: tuple[tuple[Endpoint, ...], ...]):
@@ -145,7 +146,8 @@ class CompactPlanner(NftablesPlanner):
                 if container == n.SERVICE_ENDPOINTS_MAP
                 else (n.SERVICE_NODEPORTS_MAP)
             )
-            elements.append(Element(value_map, key, f"goto {chain}"))
+            # The comment names the service port: the shared chain does not (readers).
+            elements.append(Element(value_map, key, f"goto {chain}", spn))
             slot = 0
             for endpoints in lists:
                 for ep in endpoints:

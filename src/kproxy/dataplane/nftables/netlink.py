@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
+from kproxy.host import netlink_fault
 from kproxy.host.netns import socket_in_netns
 
 NETLINK_NETFILTER: Final = 12
@@ -50,6 +51,8 @@ NFT_MSG_GETTABLE: Final = 1
 NFT_MSG_NEWCHAIN: Final = 3
 NFT_MSG_GETCHAIN: Final = 4
 NFT_MSG_DELCHAIN: Final = 5
+NFT_MSG_NEWRULE: Final = 6
+NFT_MSG_GETRULE: Final = 7
 NFT_MSG_DELRULE: Final = 8
 NFT_MSG_NEWSET: Final = 9
 NFT_MSG_GETSET: Final = 10
@@ -450,6 +453,8 @@ class NftNetlink:
     def run(self, ops: list[Op]) -> None:
         if not ops:
             return
+        if netlink_fault.CONTROL is not None:
+            netlink_fault.inject("nftables")
         sock = self._socket()
         first = self._seq
         parts = [
@@ -534,6 +539,7 @@ class NftNetlink:
             NFT_MSG_GETGEN: "get generation",
             NFT_MSG_GETSETELEM: "get elements",
             NFT_MSG_GETSET: "get sets",
+            NFT_MSG_GETRULE: "get rule",
         }.get(request, "get")
         sock.send(self._header(msg_type, flags, len(payload), seq, family) + payload)
         while True:
@@ -636,6 +642,19 @@ class NftNetlink:
             payload,
         ):
             found += decode_elements(attrs, key_type, data_type)
+        return found
+
+    def chains_with_rules(self, table: str) -> set[str]:
+        """The chains of `table` that hold at least one rule, from one rule dump (the
+        kernel filters it by table)."""
+        found: set[str] = set()
+        payload = _string(NFTA_RULE_TABLE, table)
+        for _, attrs in self._get(
+            NFT_MSG_GETRULE, NFT_MSG_NEWRULE, NLM_F_REQUEST | NLM_F_DUMP, self.family, payload
+        ):
+            name = _attr_string(attrs, 0, len(attrs), NFTA_RULE_CHAIN)
+            if name is not None:
+                found.add(name)
         return found
 
 

@@ -90,6 +90,7 @@ class Backend(Protocol):
     def tables(self) -> list[TableRef]: ...
     def table_exists(self, family: str, name: str) -> bool: ...
     def chains(self, family: str, table: str) -> list[str]: ...
+    def chains_with_rules(self, family: str, table: str) -> set[str] | None: ...
     def sets(self, family: str, table: str) -> list[str]: ...
     def elements(
         self, kind: str, family: str, table: str, name: str
@@ -218,6 +219,7 @@ class NftablesDataplane(Dataplane):
         if self._state is None:
             full = True
         stale_removed = self._delete_stale_chains(now)
+        cleanup_failed = stale_removed is None
         if stale_removed is None:
             full = True  # what is stale and what exists is no longer known exactly
             stale_removed = 0
@@ -274,6 +276,7 @@ class NftablesDataplane(Dataplane):
             rules_total={"nftables": total},
             pieces=1,
             kernel_unchanged=proven,
+            cleanup_failures=int(cleanup_failed),
         )
 
     def distrust_kernel(self) -> None:
@@ -355,13 +358,18 @@ class NftablesDataplane(Dataplane):
         return state, flush
 
     def _reusable_endpoint_chains(self, plan: NftablesPlan, state: TableState) -> set[str]:
-        """Endpoint chains a restarted proxy need not rewrite: they exist, and their affinity
-        set exists exactly when the service wants affinity (upstream's epChainSkipUpdate)."""
+        """Endpoint chains a restarted proxy need not rewrite: they exist with their rules,
+        and their affinity set exists exactly when the service wants affinity (upstream's
+        epChainSkipUpdate). An empty one is a chain a killed proxy had flushed as stale and
+        not yet deleted: reused, it would send the service's traffic nowhere."""
+        filled = self.backend.chains_with_rules(FAMILY, n.TABLE)
+        if filled is None:
+            return set()
         keep: set[str] = set()
         for block in plan.blocks.values():
             wanted_sets = {s.name for s in block.affinity_sets}
             for chain in block.endpoint_chains:
-                if chain not in state.chains:
+                if chain not in state.chains or chain not in filled:
                     continue
                 affinity_set = n.AFFINITY_PREFIX + chain[len(n.ENDPOINT_PREFIX) :]
                 if (affinity_set in wanted_sets) == (affinity_set in state.affinity_sets):
@@ -394,6 +402,10 @@ class NftablesDataplane(Dataplane):
         except OSError as oserr:
             log.warning("could not keep the failed transaction: %s", oserr)
         return data
+
+    @property
+    def nftables_layout(self) -> str:
+        return self.layout
 
     def drifted(self) -> bool:
         """True when the table we programmed is gone (deleted behind our back)."""
@@ -441,14 +453,16 @@ class NftablesDataplane(Dataplane):
     # --- ownership and cleanup ---------------------------------------------------------
 
     def owned(self) -> list[OwnedObject]:
+        """This layout's tables (the other layout's are not this dataplane's: during a
+        switch between the layouts they are the other side's)."""
         from kproxy.dataplane.nftables.cleanup import owned_tables
 
-        return owned_tables(self.backend)
+        return owned_tables(self.backend, layout=self.layout)
 
     def cleanup(self, *, dry_run: bool = False) -> list[OwnedObject]:
         from kproxy.dataplane.nftables.cleanup import cleanup
 
-        found = cleanup(self.backend, dry_run=dry_run)
+        found = cleanup(self.backend, dry_run=dry_run, layout=self.layout)
         if not dry_run:
             self._state = None
             self._base_chains_recreated = False

@@ -17,9 +17,11 @@ transaction would have created; only the grouping into transactions differs:
 1. nft: the table setup (full syncs), then the service ports' chains and rules, then new
    map/set elements -- split into pieces of at most `chunk_ops` operations at service port
    boundaries (a big single transaction makes the kernel's anonymous-set binding quadratic);
-2. netlink, one atomic batch: element deletes and value changes;
+2. netlink, one atomic batch: element deletes and value changes; in the compact layout
+   (Transaction.netlink_adds) also container flushes and every new element, so a full
+   sync's hundreds of thousands of elements are one batch and no nft parses them;
 3. nft: flushes of chains that went stale (after nothing points at them any more);
-   netlink where new elements go over netlink too (the compact layout's partial syncs);
+   netlink where new elements go over netlink too (the compact layout);
 4. netlink: deletes of stale affinity sets (after the chains using them were flushed).
 
 Every step is atomic and leaves a consistent table: chains exist before elements point at

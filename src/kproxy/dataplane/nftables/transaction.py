@@ -8,7 +8,9 @@ transaction of one sync, the way upstream's syncProxyRules does:
   base chain so that a changed priority or hook can be applied; add+flush base and
   top-level chains with their rules; sets and maps), then every service's chains;
 * partial sync: only the chains of service ports whose plan changed (add + flush + rules);
-* both: map/set elements are diffed against the mirror (a changed value is delete + add),
+* both: map/set elements are diffed against the mirror (a changed value is delete + add;
+  a full sync onto an empty mirror, a new table, writes every element without a diff, in
+  the compact layout as one bulk op per container, see add_elements),
   chains no longer used are flushed at once and remembered as stale (deleted >= 1 s later,
   in a transaction of their own, see stale_chain_deletions), affinity sets no longer used
   are deleted at once.

@@ -43,6 +43,7 @@ from kproxy.dataplane.userspace.render import Listener
 from kproxy.dataplane.userspace.tcp import HAVE_SPLICE, TcpEngine
 from kproxy.dataplane.userspace.udp import UdpEngine, handoff_peers
 from kproxy.host.netns import NETNS_DIR
+from kproxy.text import log_to_stderr
 
 log = logging.getLogger("kproxy.userspace.worker")
 
@@ -498,11 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.environ.get("KPROXY_USERSPACE_LOOP") == "asyncio",
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname).1s worker-{args.index}: %(message)s",
-        stream=sys.stderr,
-    )
+    log_to_stderr(logging.INFO, f"%(asctime)s %(levelname).1s worker-{args.index}: %(message)s")
     if args.nice:
         # Every forwarded byte waits for this process to be scheduled (the in-kernel paths run
         # in softirq context). Off by default: -5 and -20 made no measurable difference to

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kproxy.cli_common import UsageError, fail
+from kproxy.cli_common import HostOpt, UsageError, fail
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.ops.inputs import ops_inputs, with_running_proxy
 from kproxy.ops.preflight.findings import EXIT_USAGE
@@ -50,9 +50,7 @@ def doctor_command(
     all_services: Annotated[
         bool, typer.Option("--all", help="Show healthy services too (text output).")
     ] = False,
-    hostname: Annotated[
-        str | None, typer.Option("--hostname-override", help="The node name.")
-    ] = None,
+    hostname: HostOpt = None,
 ) -> None:
     """Explain a misbehaving node or service: where the packet path breaks, and why.
 

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kproxy.cli_common import HostOpt, UsageError, fail
+from kproxy.cli_common import HostOpt, UsageError, checked, fail
+from kproxy.config.addresses import parse_host_port, parse_ip
 from kproxy.ops.inputs import OpsInputs, ops_inputs
 
 if TYPE_CHECKING:
@@ -84,7 +85,10 @@ def list_command(
 
 
 def trace_command(
-    src: Annotated[str, typer.Option("--from", help="Source IP of the new connection.")],
+    src: Annotated[
+        str,
+        typer.Option("--from", help="Source IP of the new connection.", callback=checked(parse_ip)),
+    ],
     to: Annotated[str, typer.Option("--to", help="Destination IP:PORT.")],
     proto: Annotated[str, typer.Option("--proto", help="tcp or udp.")] = "tcp",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
@@ -103,15 +107,16 @@ def trace_command(
     of endpoint (userspace), computed from what the kernel and the workers hold."""
     from kproxy.ops.inspect import ModeSelectionError, trace
 
-    ip, sep, port_text = to.rpartition(":")
-    if not sep or not port_text.isdigit():
-        raise fail(f"--to: {to!r} is not IP:PORT")
+    try:
+        ip, port = parse_host_port(to)
+    except ValueError as err:
+        raise fail(f"--to: {err}") from None
     try:
         inputs = ops_inputs(source=source, hostname=hostname)
         result = trace(
             src,
             ip,
-            int(port_text),
+            port,
             proto,
             netns=inputs.netns,
             mode=mode,

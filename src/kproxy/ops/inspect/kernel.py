@@ -21,7 +21,6 @@ from typing import Any, Final
 from kproxy.conntrack import Conntrack, ConntrackEntry, ConntrackError, parse_entries
 from kproxy.host.commands import Runner, in_netns, run_command
 
-NFT_TABLE: Final = ("ip", "kube-proxy")
 _RECENT_NAME: Final = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _RECENT_LINE: Final = re.compile(r"src=(\S+).*?last_seen: (\d+)")
 # 64-bit kernels start jiffies at 2^32 - 300 s worth of ticks (INITIAL_JIFFIES).
@@ -66,6 +65,7 @@ class KernelSource:
             "iptables-nft": "iptables-nft-save -c",
             "iptables-legacy": "iptables-legacy-save -c",
             "nftables": "nft -j list table ip kube-proxy",
+            "nftables-compact": "nft -j list table ip kproxy-compact",
             "userspace-nft": "iptables-nft-save -c and the userspace workers",
             "userspace-legacy": "iptables-legacy-save -c and the userspace workers",
             "conntrack": "conntrack -L -o extended",
@@ -84,16 +84,20 @@ class KernelSource:
             return self.iptables_save(flavour)
         return self._cached(f"iptables-{flavour}-nat", [f"iptables-{flavour}-save", "-t", "nat"])
 
-    def nft_table(self) -> str | None:
-        """`nft -j list table ip kube-proxy` (None: no such table, or no nft)."""
-        return self._cached("nftables", ["nft", "-j", "list", "table", *NFT_TABLE])
+    def nft_table(self, dataplane: str = "nftables") -> str | None:
+        """`nft -j list table ip kube-proxy` (None: no such table, or no nft); another
+        layout's table by its dataplane name ("nftables-compact": ip kproxy-compact), cached
+        under that name."""
+        return self._cached(dataplane, ["nft", "-j", "list", "table", *_nft_table(dataplane)])
 
-    def nft_map(self, name: str) -> str | None:
-        """A document holding one map (or set) of table ip kube-proxy: `nft -j list map`
-        (the whole table's document is ~100 MB at 10,000 services), or the table when read."""
-        if "nftables" in self._cache:
-            return self.nft_table()
-        return self._cached(f"nft-map:{name}", ["nft", "-j", "list", "map", *NFT_TABLE, name])
+    def nft_map(self, name: str, dataplane: str = "nftables") -> str | None:
+        """A document holding one map (or set) of table ip kube-proxy (or another layout's):
+        `nft -j list map` (the whole table's document is ~100 MB at 10,000 services), or the
+        table when read."""
+        if dataplane in self._cache:
+            return self.nft_table(dataplane)
+        key = f"nft-map:{name}" if dataplane == "nftables" else f"nft-map:{dataplane}:{name}"
+        return self._cached(key, ["nft", "-j", "list", "map", *_nft_table(dataplane), name])
 
     def ip_addr(self) -> str | None:
         return self._cached("ip-addr", ["ip", "-j", "addr", "show"])
@@ -191,8 +195,8 @@ class RecordedSource(KernelSource):
     def iptables_nat(self, flavour: str) -> str | None:
         return self.iptables_save(flavour)
 
-    def nft_map(self, name: str) -> str | None:
-        return self.nft_table()
+    def nft_map(self, name: str, dataplane: str = "nftables") -> str | None:
+        return self.nft_table(dataplane)
 
     def local_addresses(self) -> list[str] | None:
         if self._local is not None:
@@ -206,6 +210,13 @@ class RecordedSource(KernelSource):
         if self._recent is None:
             return None
         return self._recent.get(name, "")
+
+
+def _nft_table(dataplane: str) -> tuple[str, str]:
+    """(family, name) of nftables mode's table in the layout a dataplane name says."""
+    from kproxy.dataplane.nftables.layouts import DATAPLANES, TABLES
+
+    return "ip", TABLES[DATAPLANES[dataplane]]
 
 
 # --- pure parsers ----------------------------------------------------------------------------

@@ -8,6 +8,14 @@ address); service chains pick an endpoint with one `numgen random mod N vmap {�
 Services without endpoints sit in @no-endpoint-services / @no-endpoint-nodeports
 (goto reject-chain, or drop), LB source ranges in @firewall-ips -> firewall- chains.
 The layout has no counters; rules that carry a `counter` statement are read if present.
+
+kproxy's compact layout (dataplane/nftables/compact.py, `table ip kproxy-compact`, the
+dataplane "nftables-compact") has the same maps, but their verdicts go to shared chains
+(`dnat/internal/N`, `dnat/external-local/N/M`, …) whose rules DNAT with
+`… . numgen random mod N [offset K] map @service-endpoints` (NodePorts: @nodeport-endpoints):
+a service's endpoints are the elements of its destination and slots K..K+N-1. Shared
+chains name no service: the @service-ips / @service-nodeports elements name it in their
+comment.
 """
 
 from __future__ import annotations
@@ -18,7 +26,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kproxy.dataplane.nftables.names import service_port_of
+from kproxy.dataplane.nftables.layouts import (
+    DEFAULT_LAYOUT,
+    TABLES,
+    dataplane_name,
+)
+from kproxy.dataplane.nftables.names import SHARED_PREFIX, is_shared_chain, service_port_of
 from kproxy.ops.inspect.kernel import KernelSource
 from kproxy.ops.inspect.model import (
     ANY_ADDRESS,
@@ -43,6 +56,8 @@ NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
 FIREWALL_IPS = "firewall-ips"
 SERVICES_CHAIN = "services"
 REJECT_CHAIN = "reject-chain"
+SERVICE_ENDPOINTS = "service-endpoints"
+NODEPORT_ENDPOINTS = "nodeport-endpoints"
 VERDICTS = ("accept", "drop", "continue", "return", "jump", "goto", "queue", "reject")
 
 
@@ -248,6 +263,8 @@ def expr_text(e: Any) -> str:
     if op in ("&", "|", "^", "<<", ">>"):
         a, b = arg
         return f"{expr_text(a)} {op} {_hex(b)}"
+    if op == "map":
+        return f"{expr_text(arg.get('key'))} map {expr_text(arg.get('data'))}"
     if op == "numgen":
         offset = f" offset {arg['offset']}" if arg.get("offset") else ""
         return f"numgen {arg.get('mode')} mod {arg.get('mod')}{offset}"
@@ -344,9 +361,11 @@ def _match_set(rule: NftRule) -> str | None:
     return None
 
 
-def service_ip_entries(service_ips: NftSet) -> Iterator[tuple[Destination, str]]:
-    """(destination, chain) of each @service-ips element: ClusterIPs (to service-/local-
-    chains), external and LoadBalancer IPs (to external- chains)."""
+def service_ip_entries(service_ips: NftSet) -> Iterator[tuple[Destination, str, str]]:
+    """(destination, chain, service port) of each @service-ips element: ClusterIPs (to
+    service-/local- chains), external and LoadBalancer IPs (to external- chains); the
+    service port from the chain's name, or (the compact layout's shared chains name none)
+    the element's comment."""
     for el in service_ips.elements:
         if len(el.key) != 3:
             continue
@@ -354,25 +373,69 @@ def service_ip_entries(service_ips: NftSet) -> Iterator[tuple[Destination, str]]
         if chain is None:
             continue
         ip, proto, port = (str(p) for p in el.key)
-        yield Destination(ip, proto, int(port)), chain
+        yield Destination(ip, proto, int(port)), chain, service_port_of(chain) or el.comment or ""
 
 
-def destinations(source: KernelSource) -> dict[Destination, str]:
-    """The service destinations of @service-ips -> their service port (from the chain)."""
-    text = source.nft_map(SERVICE_IPS)
-    service_ips = parse_set(text, SERVICE_IPS) if text is not None else None
+def destinations(source: KernelSource, *, layout: str = DEFAULT_LAYOUT) -> dict[Destination, str]:
+    """The service destinations of @service-ips -> their service port (from the chain;
+    "" for a compact layout's shared chain)."""
+    plane = dataplane_name(layout)
+    text = source.nft_map(SERVICE_IPS, plane)
+    service_ips = parse_set(text, SERVICE_IPS, table=TABLES[layout]) if text is not None else None
     if service_ips is None:
         return {}
-    return {dest: service_port_of(chain) for dest, chain in service_ip_entries(service_ips)}
+    return {dest: name for dest, _chain, name in service_ip_entries(service_ips)}
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One DNAT of a compact shared chain: slots offset..offset+mod-1 of a map's elements
+    for the packet's destination; conditional when the rule matches anything first."""
+
+    mod: int
+    offset: int
+    container: str
+    conditional: bool
+    rule: NftRule
+
+
+def shared_picks(chain: NftChain) -> list[Pick]:
+    """The `dnat to KEY . numgen random mod N [offset K] map @M` rules of a shared chain."""
+    out = []
+    for rule in chain.rules:
+        for stmt in rule.expr:
+            d = stmt.get("dnat") if isinstance(stmt, dict) else None
+            lookup = d.get("addr") if isinstance(d, dict) else None
+            m = lookup.get("map") if isinstance(lookup, dict) else None
+            if not isinstance(m, dict) or not str(m.get("data", "")).startswith("@"):
+                continue
+            parts = (m.get("key") or {}).get("concat", [])
+            gen = next((p["numgen"] for p in parts if isinstance(p, dict) and "numgen" in p), None)
+            if not isinstance(gen, dict):
+                continue
+            conditional = any(isinstance(x, dict) and "match" in x for x in rule.expr)
+            out.append(
+                Pick(
+                    int(gen.get("mod", 0)) or 1,
+                    int(gen.get("offset", 0) or 0),
+                    str(m["data"])[1:],
+                    conditional,
+                    rule,
+                )
+            )
+    return out
 
 
 class NftablesView:
     mode = "nftables"
-    dataplane = "nftables"
 
-    def __init__(self, table: NftTable, source: KernelSource) -> None:
+    def __init__(self, table: NftTable, source: KernelSource, layout: str = DEFAULT_LAYOUT) -> None:
         self.table = table
         self.source = source
+        self.layout = layout
+        self.dataplane = dataplane_name(layout)
+        # endpoint map -> destination key -> slot -> element (slot_endpoints)
+        self._slots: dict[str, dict[tuple[str, ...], dict[int, Element]]] = {}
         self.notes: list[str] = []
         self.has_counters = any(
             r.counter() is not None for c in table.chains.values() for r in c.rules
@@ -389,9 +452,10 @@ class NftablesView:
                 and any(_only_verdict(r) == ("jump", SERVICES_CHAIN) for r in chain.rules)
             ):
                 hooked.append(chain.name)
+        where = f"table {self.table.family} {self.table.name}"
         if not hooked:
-            return False, True, "table ip kube-proxy exists but no nat base chain jumps to services"
-        return True, True, f"table ip kube-proxy: {' and '.join(sorted(hooked))} jump to services"
+            return False, True, f"{where} exists but no nat base chain jumps to services"
+        return True, True, f"{where}: {' and '.join(sorted(hooked))} jump to services"
 
     def local_addresses(self) -> list[str] | None:
         return self._local
@@ -419,15 +483,13 @@ class NftablesView:
         found: dict[tuple[str, str, int], VirtualServer] = {}
         firewalled = {tuple(str(p) for p in e.key): e for e in self._set(FIREWALL_IPS).elements}
         cluster_ips = {str(e.key[0]) for e in self._set(CLUSTER_IPS).elements}
-        for dest, chain in service_ip_entries(self._set(SERVICE_IPS)):
+        for dest, chain, name in service_ip_entries(self._set(SERVICE_IPS)):
             ip, proto, port = dest.ip, dest.proto, str(dest.port)
-            if chain.startswith(("service-", "local-")):
+            if chain.startswith(("service-", "local-", SHARED_PREFIX + "internal/")):
                 kind = CLUSTER_IP
             else:
                 kind = LOAD_BALANCER if (ip, proto, port) in firewalled else EXTERNAL
-            vs = VirtualServer(
-                proto, ip, dest.port, service=service_port_of(chain), kind=kind, chain=chain
-            )
+            vs = VirtualServer(proto, ip, dest.port, service=name, kind=kind, chain=chain)
             self._resolve(vs, chain, set())
             fw = firewalled.get((ip, proto, port))
             if fw is not None:
@@ -446,7 +508,7 @@ class NftablesView:
                     proto,
                     addr,
                     int(port),
-                    service=service_port_of(chain),
+                    service=service_port_of(chain) or el.comment or "",
                     kind=NODE_PORT,
                     chain=chain,
                 )
@@ -503,6 +565,9 @@ class NftablesView:
         chain = self.table.chains.get(chain_name)
         if chain is None:
             vs.notes.append(f"chain {chain_name} does not exist (the map points nowhere)")
+            return
+        if is_shared_chain(chain_name):
+            self._resolve_shared(vs, chain)
             return
         if chain_name.startswith("external-"):
             final = None
@@ -569,6 +634,58 @@ class NftablesView:
             return
         vs.notes.append(f"unexpected chain {chain_name}")
 
+    def slot_endpoints(self, container: str, key: tuple[str, ...]) -> dict[int, Element]:
+        """The elements of an endpoint map for one destination (compact layout), by slot."""
+        cache = self._slots
+        if container not in cache:
+            by_key: dict[tuple[str, ...], dict[int, Element]] = {}
+            for el in self._set(container).elements:
+                parts = [str(p) for p in el.key]
+                if len(parts) >= 2 and parts[-1].isdigit():
+                    by_key.setdefault(tuple(parts[:-1]), {})[int(parts[-1])] = el
+            cache[container] = by_key
+        return cache[container].get(key, {})
+
+    def _resolve_shared(self, vs: VirtualServer, chain: NftChain) -> None:
+        """A compact layout's shared chain: the pick that traffic from outside the node
+        gets (the unconditional one; a Local policy's is offset past the cluster slots)."""
+        vs.scheduler = "numgen"
+        picks = shared_picks(chain)
+        final = next((p for p in reversed(picks) if not p.conditional), None)
+        if chain.name.startswith(tuple(SHARED_PREFIX + k for k in ("external-", "nodeport-"))):
+            vs.local_only = True
+        if final is None:
+            vs.scheduler = "none"
+            vs.notes.append(
+                f"{chain.name} has no endpoint pick for traffic from outside the node"
+                + (" (Local policy without local endpoints)" if vs.local_only else "")
+            )
+            return
+        key = (vs.proto, str(vs.port))
+        if vs.kind != NODE_PORT:
+            key = (vs.address, *key)
+        slots = self.slot_endpoints(final.container, key)
+        listed = 0
+        for slot in range(final.offset, final.offset + final.mod):
+            el = slots.get(slot)
+            if el is None or not isinstance(el.value, dict):
+                continue
+            parts = el.value.get("concat", [])
+            if len(parts) != 2:
+                continue
+            rs = RealServer(
+                str(parts[0]), int(parts[1]), chain=f"{chain.name} @{final.container}[{slot}]"
+            )
+            rs.share = 1 / final.mod
+            listed += 1
+            vs.endpoints.append(rs)
+        if listed < final.mod:
+            vs.notes.append(
+                f"numgen mod {final.mod} has only {listed} @{final.container} elements: "
+                f"{(final.mod - listed) / final.mod * 100:.1f}% of new connections are not "
+                "DNATed"
+            )
+
     def _real_server(self, chain_name: str) -> RealServer:
         chain = self.table.chains.get(chain_name)
         for rule in chain.rules if chain else []:
@@ -594,9 +711,9 @@ class NftablesView:
         return NftWalker(self.table, self._local).trace(packet)
 
 
-def load(source: KernelSource) -> NftablesView | None:
-    text = source.nft_table()
+def load(source: KernelSource, *, layout: str = DEFAULT_LAYOUT) -> NftablesView | None:
+    text = source.nft_table(dataplane_name(layout))
     if text is None:
         return None
-    table = parse_table(text)
-    return NftablesView(table, source) if table is not None else None
+    table = parse_table(text, name=TABLES[layout])
+    return NftablesView(table, source, layout) if table is not None else None

@@ -1,4 +1,5 @@
-"""Walk a new connection through `table ip kube-proxy` as the kernel lists it.
+"""Walk a new connection through `table ip kube-proxy` (or kproxy's compact layout's
+`table ip kproxy-compact`) as the kernel lists it.
 
 Base chains run per hook in priority order, as netfilter does for the first packet:
 
@@ -10,7 +11,8 @@ Base chains run per hook in priority order, as netfilter does for the first pack
 Statements are evaluated as far as kube-proxy's rules need (payload addresses and ports,
 meta l4proto / mark, ct state, fib … type local, named and anonymous sets and verdict maps,
 mark arithmetic). `numgen random mod N vmap {…}` forks into one branch per entry (1/N
-each). Affinity sets are looked up in their elements as listed (with their timeouts), so
+each), and so does the compact layout's `dnat to … . numgen random mod N map @M`, one per
+slot element. Affinity sets are looked up in their elements as listed (with their timeouts), so
 the walk knows whether this client sticks. Other tables in the ruleset are not evaluated.
 """
 
@@ -62,7 +64,8 @@ class NftWalker:
 
     def trace(self, pkt: Packet) -> Walk:
         self.notes = [
-            "only table ip kube-proxy is evaluated (not other nftables tables or iptables rules)"
+            f"only table {self.table.family} {self.table.name} is evaluated (not other "
+            "nftables tables or iptables rules)"
         ]
         if self.local is None:
             self.notes.append(
@@ -244,7 +247,7 @@ class NftWalker:
                     notes=tuple(notes),
                 )
             )
-            if br.service is None:
+            if br.service is None and "/" in rule.chain:  # a service's own chain
                 br.service = service_port_of(rule.chain) or None
 
         for pos in range(start, len(rule.expr)):
@@ -287,6 +290,8 @@ class NftWalker:
             if op in ("jump", "goto", "return", "accept", "drop", "continue", "reject", "queue"):
                 step(stmt_text(stmt))
                 return self._verdict(stmt, frames, base)
+            if op == "dnat" and isinstance(arg, dict) and isinstance(arg.get("addr"), dict):
+                return self._dnat_map(base, rule, arg["addr"], frames, br, pkt, out, notes, actions)
             if op in ("dnat", "redirect"):
                 addr = arg.get("addr") if isinstance(arg, dict) else None
                 port = arg.get("port") if isinstance(arg, dict) else None
@@ -379,6 +384,68 @@ class NftWalker:
         # numbers without an entry: the lookup misses and the rule does not match.
         br.prob = None if br.prob is None else br.prob * (mod - listed) / mod
         br.notes.append(f"numgen mod {mod} has only {listed} entries")
+        return None
+
+    def _dnat_map(
+        self,
+        base: str,
+        rule: Any,
+        addr: dict[str, Any],
+        frames: list[list[Any]],
+        br: _Branch,
+        pkt: Packet,
+        out: list[tuple[_Branch, str, Step | None]],
+        notes: list[str],
+        actions: list[str],
+    ) -> str | None:
+        """`dnat to KEY . numgen random mod N [offset K] map @M` (the compact layout's pick):
+        one branch per slot K..K+N-1 (1/N each), DNATed to the slot's element; a slot without
+        an element is a lookup miss, and the rule does not match."""
+        lookup = addr.get("map")
+        parts = (lookup.get("key") or {}).get("concat") if isinstance(lookup, dict) else None
+        data = lookup.get("data") if isinstance(lookup, dict) else None
+        gen = parts[-1].get("numgen") if parts and isinstance(parts[-1], dict) else None
+        nset = self.table.sets.get(data[1:]) if isinstance(data, str) else None
+        head = [self._value(x, br, pkt) for x in (parts or [])[:-1]]
+        if not isinstance(gen, dict) or nset is None or any(v is UNKNOWN for v in head):
+            notes.append(f"cannot evaluate dnat to {expr_text(addr)}; assuming no element")
+            return None
+        mod = int(gen.get("mod", 1)) or 1
+        offset = int(gen.get("offset", 0) or 0)
+        listed = 0
+        for slot in range(offset, offset + mod):
+            el = next((e for e in nset.elements if self._elem_matches(e.key, (*head, slot))), None)
+            found = el.value if el is not None else None
+            value = found.get("concat") if isinstance(found, dict) else None
+            if not (isinstance(value, list) and len(value) == 2):
+                continue
+            listed += 1
+            taken = br.fork()
+            taken.prob = None if taken.prob is None else taken.prob / mod
+            taken.dnat = (str(value[0]), int(value[1]))
+            key = " . ".join(str(v) for v in (*head, slot))
+            taken.steps.append(
+                Step(
+                    self.table.name,
+                    rule.chain,
+                    rule.number,
+                    rule.text,
+                    "; ".join(
+                        [
+                            *actions,
+                            f"numgen = {slot} (probability 1/{mod}): {data} element {key} : "
+                            f"DNAT to {_hostport(taken.dnat)}",
+                        ]
+                    ),
+                    handle=rule.handle,
+                    notes=tuple(notes),
+                )
+            )
+            out.append((taken, DNAT, taken.steps[-1]))
+        if listed >= mod:
+            return "forked"
+        br.prob = None if br.prob is None else br.prob * (mod - listed) / mod
+        br.notes.append(f"numgen mod {mod} has only {listed} elements in {data}")
         return None
 
     def _verdict(self, v: Any, frames: list[list[Any]], base: str) -> str | None:

@@ -14,8 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from kproxy.dataplane.iptables.backend import FLAVOURS
-from kproxy.dataplane.registry import SPECS
+from kproxy.dataplane.registry import SPECS, dataplanes
 from kproxy.modes import MODES
 from kproxy.ops.inspect.kernel import KernelSource
 from kproxy.ops.inspect.model import Destination, ModeView
@@ -31,23 +30,17 @@ class Reader:
 
 
 def _from_registry() -> list[Reader]:
-    """One reader per dataplane, from each mode's spec (dataplane/registry.py); a mode in an
-    iptables backend has one per flavour."""
+    """One reader per dataplane (dataplane/registry.py): a mode in an iptables backend has
+    one per flavour (given first), nftables mode one per layout (given as layout=)."""
     out: list[Reader] = []
-    for spec in SPECS.values():
-        module = importlib.import_module(spec.reader)
-        if not spec.per_iptables_flavour:
-            out.append(Reader(spec.name, spec.name, module.load, module.destinations))
-            continue
-        for flavour in FLAVOURS:
-            out.append(
-                Reader(
-                    f"{spec.name}-{flavour}",
-                    spec.name,
-                    partial(module.load, flavour),
-                    partial(module.destinations, flavour),
-                )
-            )
+    for plane in dataplanes():
+        module = importlib.import_module(SPECS[plane.mode].reader)
+        load, dests = module.load, module.destinations
+        if plane.flavour is not None:
+            load, dests = partial(load, plane.flavour), partial(dests, plane.flavour)
+        elif plane.layout is not None:
+            load, dests = partial(load, layout=plane.layout), partial(dests, layout=plane.layout)
+        out.append(Reader(plane.name, plane.mode, load, dests))
     return out
 
 

@@ -25,30 +25,42 @@ KEEP_BACKUPS = 5
 PREFIX = "preflight-backup-"
 
 
+# nftables mode's dataplanes, one per layout, and each one's snapshot section: both hold
+# the mode's state (dataplane/nftables/layouts.py).
+NFT_PLANES = ("nftables", "nftables-compact")
+
+
 def planes_of(mode: str, flavour: str | None, found: dict[str, Any]) -> list[str]:
     """The dataplanes (ops.inspect.readers) a mode's state shows up under."""
     if mode in ("iptables", "userspace"):
         if flavour:
             return [f"{mode}-{flavour}"]
         return [p for p in found if p.startswith(f"{mode}-")] or [f"{mode}-nft"]
+    if mode == "nftables":
+        return [p for p in NFT_PLANES if p in found] or ["nftables"]
     return [mode]
 
 
 def _sections(mode: str, flavour: str | None) -> list[str]:
     if mode in ("iptables", "userspace"):
         return [f"iptables-{flavour}"] if flavour else ["iptables-nft", "iptables-legacy"]
-    return {"nftables": ["nftables"], "ipvs": ["ipvs", "ipset"]}.get(mode, [])
+    return {"nftables": list(NFT_PLANES), "ipvs": ["ipvs", "ipset"]}.get(mode, [])
 
 
 def nft_has_kube_proxy(text: str) -> bool:
-    """Whether `nft -j list ruleset` output holds table ip kube-proxy."""
+    """Whether `nft -j list table …` output holds nftables mode's table in either layout
+    (ip kube-proxy, ip kproxy-compact)."""
     try:
         items = json.loads(text or "{}").get("nftables", [])
     except (ValueError, AttributeError):
         return False
     for item in items:
         table = item.get("table") if isinstance(item, dict) else None
-        if table and table.get("name") == "kube-proxy" and table.get("family") == "ip":
+        if (
+            table
+            and table.get("name") in ("kube-proxy", "kproxy-compact")
+            and table.get("family") == "ip"
+        ):
             return True
     return False
 
@@ -60,7 +72,7 @@ def _kube_state(mode: str, snap: dict[str, Any], sections: list[str]) -> bool:
     if mode == "userspace":
         return ":KUBE-PORTALS-CONTAINER" in text
     if mode == "nftables":
-        return nft_has_kube_proxy(text)
+        return any(nft_has_kube_proxy(snap.get(s, {}).get("output", "")) for s in sections)
     if mode == "ipvs":
         return "-A -" in snap.get("ipvs", {}).get("output", "")
     return False
@@ -71,9 +83,9 @@ def restore_commands(mode: str, sections: list[str], path: str) -> list[str]:
     for s in sections:
         if s.startswith("iptables-"):
             cmds.append(f"jq -r '.\"{s}\".output' {path} | {s}-restore")
-        elif s == "nftables":
+        elif s in NFT_PLANES:
             cmds.append(
-                f"jq -r .nftables.output {path} > /tmp/ruleset.json && nft -j -f /tmp/ruleset.json"
+                f"jq -r '.\"{s}\".output' {path} > /tmp/{s}.json && nft -j -f /tmp/{s}.json"
             )
         elif s == "ipvs":
             cmds.append(f"jq -r .ipvs.output {path} | ipvsadm -R")
@@ -112,8 +124,9 @@ def check_backup(ctx: Context) -> list[Finding]:
     flavour = ctx.current_flavour
     sections = _sections(mode, flavour)
     failed = [s for s in sections if not snap.get(s, {}).get("ok")]
-    if mode in ("iptables", "userspace") and not flavour:
-        failed = failed if len(failed) == len(sections) else []  # one backend is enough
+    if (mode in ("iptables", "userspace") and not flavour) or mode == "nftables":
+        # one backend (one nftables layout) is enough
+        failed = failed if len(failed) == len(sections) else []
     if failed:
         errors = {s: snap.get(s, {}).get("error", "") for s in failed}
         cmds = [snap.get(s, {}).get("command", s) for s in failed]
@@ -211,6 +224,20 @@ def check_backup(ctx: Context) -> list[Finding]:
             facts={"path": str(path), "destinations": len(serving), "bytes": len(text)},
         )
     ]
+
+
+def at_switch(ctx: Context) -> Finding:
+    """The backup of a switch run by the proxy: its "before" record (switch.py) is written
+    when the switch starts, before anything changes, so preflight reads nothing for it."""
+    mode = ctx.current_mode or "no"
+    return info(
+        "backup.at-switch",
+        f"the {mode} dataplane is recorded by the running kproxy when the switch starts, "
+        'before anything changes (its "before" snapshot in the state dir)',
+        "restore it by hand if everything else fails (the switch report names the file)",
+        ["kproxy snapshot -o /root/before-switch.json  # a copy of your own, now"],
+        facts={"mode": ctx.current_mode},
+    )
 
 
 CHECKS = (Check("backup", check_backup),)

@@ -9,26 +9,35 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kproxy.cli_common import UsageError, fail
+from kproxy.cli_common import HostOpt, UsageError, fail
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.ops.inputs import OpsInputs, ops_inputs, with_running_proxy
 from kproxy.ops.preflight.findings import EXIT_USAGE
+from kproxy.text import one_line
+
+if TYPE_CHECKING:
+    from kproxy.ops.preflight.run import PreflightResult
 
 log = logging.getLogger("kproxy.preflight")
+
+
+# A preflight inside the running kproxy reads no whole table; this is a safety net only.
+LIVE_TIMEOUT = 300.0
 
 
 def register(app: typer.Typer) -> None:
     app.command("preflight")(preflight_command)
 
 
-def check_mode_name(to: str) -> str:
-    """The target mode, or UsageError with kproxy.config's own message (and its suggestion)."""
+def check_mode_name(to: str, flag: str = "--to") -> str:
+    """The mode given as `flag`, or UsageError with kproxy.config's own message (and its
+    suggestion)."""
     from kproxy.config import MODES, ProxyConfig, validate_config
 
     if to in MODES:
@@ -36,7 +45,7 @@ def check_mode_name(to: str) -> str:
     problems = [p for p in validate_config(ProxyConfig(mode=to)) if p.startswith("mode:")]
     hint = next((p.split("; ", 1)[1] for p in problems if "; did you mean" in p), "")
     raise UsageError(
-        f"--to {to!r} is not a proxy mode (choose from {', '.join(MODES)})"
+        f"{flag} {to!r} is not a proxy mode (choose from {', '.join(MODES)})"
         + (f"; {hint}" if hint else "")
     )
 
@@ -75,9 +84,15 @@ def preflight_command(
         Path | None,
         typer.Option("--backup", help="Write the verified backup here (default: in --state-dir)."),
     ] = None,
-    hostname: Annotated[
-        str | None, typer.Option("--hostname-override", help="The node name.")
-    ] = None,
+    hostname: HostOpt = None,
+    no_daemon: Annotated[
+        bool,
+        typer.Option(
+            "--no-daemon",
+            help="Read the objects and the kernel here even when a kproxy runs (by default "
+            "the running kproxy runs the checks with the objects and mode it already has).",
+        ),
+    ] = False,
 ) -> None:
     """Check whether a switch to --to is safe on this node; explain what is not and how to fix it.
 
@@ -85,8 +100,10 @@ def preflight_command(
     kernel and nft versions; iptables backends), conntrack headroom, a verified backup of
     the current dataplane, the configuration, the objects, the dataplane's consistency and
     other modes' leftovers, and the sysctls the mode depends on. Read only: the only thing
-    written is the backup file. Each finding has an id, a severity (block, warn, info),
-    what was found, why it matters and the commands that fix it.
+    written is the backup file. With a running kproxy (and no --config, --source, --from,
+    --netns or --backup of your own) the checks run inside it, from the objects and mode it
+    already holds; the report says which way it went ("path"). Each finding has an id, a
+    severity (block, warn, info), what was found, why it matters and the commands that fix it.
 
     Exit codes: 0 safe (nothing blocks; warnings and info do not), 1 blocked (at least one
     finding of severity block), 2 usage error (unknown mode, missing file).
@@ -96,7 +113,7 @@ def preflight_command(
     try:
         target = check_mode_name(to)
         if current is not None:
-            check_mode_name(current)
+            check_mode_name(current, "--from")
         inputs = with_running_proxy(
             ops_inputs(
                 state_dir=state_dir,
@@ -108,23 +125,58 @@ def preflight_command(
         )
     except UsageError as err:
         raise fail(str(err), EXIT_USAGE) from None
-    result = run_preflight(
-        target,
-        access=inputs.access(),
-        config_path=inputs.config_path,
-        source=inputs.source,
-        state_dir=inputs.state_dir,
-        status=inputs.status,
-        current_mode=current,
-        node_name=inputs.node_name,
-        backup_path=backup,
-    )
+    own = (config_path, source, current, netns, backup, hostname)
+    result = None
+    if not no_daemon and all(v is None for v in own):
+        result, note = ask_running(inputs, target, backup="write")
+        inputs = replace(inputs, notes=(*inputs.notes, note)) if note else inputs
+    if result is None:
+        result = run_preflight(
+            target,
+            access=inputs.access(),
+            config_path=inputs.config_path,
+            source=inputs.source,
+            state_dir=inputs.state_dir,
+            status=inputs.status,
+            current_mode=current,
+            node_name=inputs.node_name,
+            backup_path=backup,
+        )
     result.notes = [*inputs.notes, *result.notes]
     if as_json:
         typer.echo(result.to_json())
     else:
         result.print_text()
     raise typer.Exit(result.exit_code)
+
+
+def ask_running(
+    inputs: OpsInputs, target: str, *, backup: str
+) -> tuple[PreflightResult | None, str | None]:
+    """The running kproxy's own preflight of a switch to `target` (the admin op
+    `preflight`), and a note when one answers but could not run it (then the caller reads
+    everything itself). (None, None): no kproxy runs."""
+    from kproxy.ops.preflight.run import PreflightResult
+    from kproxy.server.admin import AdminUnavailable, call
+
+    if inputs.status is None:
+        return None, None
+    request = {"op": "preflight", "to": target, "backup": backup}
+    try:
+        answer = call(inputs.admin_target, request, timeout=LIVE_TIMEOUT)
+    except (AdminUnavailable, OSError, ValueError) as err:
+        return None, f"the running kproxy did not run the preflight ({err}): read here instead"
+    doc = answer.get("result")
+    if not answer.get("ok") or not isinstance(doc, dict):
+        why = one_line(str(answer.get("error") or "no result"))
+        return None, f"the running kproxy did not run the preflight ({why}): read here instead"
+    try:
+        result = PreflightResult.from_dict(doc)
+    except (KeyError, TypeError, ValueError) as err:
+        return None, f"the running kproxy's preflight answer is unreadable ({err}): read here"
+    # It checked its own namespace, which only the caller can name (found from its pid).
+    result.netns = inputs.netns
+    return result, None
 
 
 # --- the switch's gate -----------------------------------------------------------------------
@@ -182,6 +234,7 @@ def switch_gate(to: str, inputs: OpsInputs, *, force: bool) -> SwitchGate | None
     mode (the proxy answers that). Raises UsageError for bad arguments."""
     from kproxy.ops.preflight.run import run_preflight
 
+    own_inputs = inputs.config_path or inputs.source or inputs.netns
     inputs = with_running_proxy(inputs)
     status = inputs.status
     if status is None:
@@ -190,15 +243,21 @@ def switch_gate(to: str, inputs: OpsInputs, *, force: bool) -> SwitchGate | None
     if not target:
         return None
     target = check_mode_name(target)
-    result = run_preflight(
-        target,
-        access=inputs.access(),
-        config_path=inputs.config_path,
-        source=inputs.source,
-        state_dir=inputs.state_dir,
-        status=status,
-        node_name=inputs.node_name,
-    )
+    result = None
+    if own_inputs is None:
+        # The switch records the dataplane itself when it starts: no backup here.
+        result, note = ask_running(inputs, target, backup="switch")
+        inputs = replace(inputs, notes=(*inputs.notes, note)) if note else inputs
+    if result is None:
+        result = run_preflight(
+            target,
+            access=inputs.access(),
+            config_path=inputs.config_path,
+            source=inputs.source,
+            state_dir=inputs.state_dir,
+            status=status,
+            node_name=inputs.node_name,
+        )
     result.notes = [*inputs.notes, *result.notes]
     gate = SwitchGate(target, result, force)
     if not result.safe and force:

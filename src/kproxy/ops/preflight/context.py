@@ -31,6 +31,7 @@ from kproxy.ops.preflight.findings import Finding
 
 if TYPE_CHECKING:
     from kproxy.ops.inspect.destinations import Programmed
+    from kproxy.ops.preflight.live import LiveState
 
 log = logging.getLogger("kproxy.preflight")
 
@@ -60,7 +61,9 @@ class ObjectView:
     services: dict[str, ParsedService] = field(default_factory=dict)  # "ns/name"
     slices: list[ParsedSlice] = field(default_factory=list)
     ignored: dict[str, str] = field(default_factory=dict)  # "ns/name" -> why
-    raw_services: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Every Service there is, programmed or not ("ns/name"), and the ExternalName ones' names.
+    known: set[str] = field(default_factory=set)
+    external_names: dict[str, str] = field(default_factory=dict)
 
     def slices_of(self, service: str) -> list[ParsedSlice]:
         return [s for s in self.slices if f"{s.namespace}/{s.service}" == service]
@@ -73,7 +76,10 @@ def object_view(objects: Sequence[dict[str, Any]]) -> ObjectView:
         meta = obj.get("metadata") or {}
         key = f"{meta.get('namespace') or 'default'}/{meta.get('name', '')}"
         if kind == "Service":
-            view.raw_services[key] = obj
+            view.known.add(key)
+            spec = obj.get("spec") or {}
+            if spec.get("type") == "ExternalName":
+                view.external_names[key] = str(spec.get("externalName", ""))
             try:
                 view.services[key] = parse_service(obj)
             except IgnoredObject as why:
@@ -105,6 +111,8 @@ class Context:
     objects_override: list[dict[str, Any]] | None = None
     # ops.snapshot.take by default; tests give recorded dataplanes.
     snapshot_taker: Callable[[str | None], Mapping[str, Any]] | None = None
+    # The running kproxy's own state (live.py): its objects and its mode, no re-reads.
+    live: LiveState | None = None
     notes: list[str] = field(default_factory=list)
 
     # -- configuration --------------------------------------------------------------------
@@ -155,8 +163,14 @@ class Context:
             self.notes.append(f"source: {p}")
         return list(loaded.values())
 
+    @property
+    def has_objects(self) -> bool:
+        return self.live is not None or self.objects is not None
+
     @cached_property
     def snapshot(self) -> Snapshot | None:
+        if self.live is not None:
+            return self.live.snapshot
         if self.objects is None:
             return None
         from kproxy.model.snapshot import snapshot_from_objects
@@ -165,6 +179,8 @@ class Context:
 
     @cached_property
     def view(self) -> ObjectView | None:
+        if self.live is not None:
+            return self.live.view
         return object_view(self.objects) if self.objects is not None else None
 
     # -- the node -------------------------------------------------------------------------
@@ -182,7 +198,10 @@ class Context:
     @cached_property
     def programmed(self) -> Programmed:
         """Per dataplane, the service destinations the kernel state programs (read by the
-        inspect readers, ops.inspect.destinations)."""
+        inspect readers, ops.inspect.destinations). Beside a running kproxy only its own
+        dataplane is read, and only the entries that hold its destinations."""
+        if self.live is not None:
+            return self.live.programmed(self.access.netns)
         from kproxy.ops.snapshot import programmed_in
 
         return programmed_in(self.kernel_snapshot)

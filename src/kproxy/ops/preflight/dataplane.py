@@ -132,19 +132,28 @@ class _Tables:
         raise AssertionError("preflight never deletes")
 
 
-class _PreflightDump(KernelDump):
+class NodeDump(KernelDump):
+    """The kernel of the preflight's node, its commands run read-only through the node
+    access. Beside a running kproxy this is all there is: each part read only when a
+    mode asks (no kernel state section, no whole-table dump)."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx.access.netns, state_dir=ctx.state_dir)
+        self.ctx = ctx
+
+    def run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        return self.ctx.access.run(argv)
+
+
+class _PreflightDump(NodeDump):
     """The kernel as preflight already read it: iptables saves and the nftables tables
     from its kernel state (no second read of a 320,000-rule save; listing the nft tables
     itself takes 28 s on an iptables-nft node with 10,000 services), the rest read-only
     through the node access."""
 
     def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx.access.netns, state_dir=ctx.state_dir)
-        self.ctx = ctx
+        super().__init__(ctx)
         self.snap = ctx.kernel_snapshot
-
-    def run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        return self.ctx.access.run(argv)
 
     def iptables(self, flavour: str) -> IptablesBackend | None:
         from kproxy.dataplane.iptables.backend import IptablesBackend
@@ -167,12 +176,13 @@ class _PreflightDump(KernelDump):
         return run
 
     def nft_tables(self) -> _Tables:
-        output = self.snap.get("nftables", {}).get("output") or "{}"
         tables = []
-        for item in json.loads(output).get("nftables", []):
-            t = item.get("table") if isinstance(item, dict) else None
-            if t:
-                tables.append(TableRef(t["family"], t["name"]))
+        for section in ("nftables", "nftables-compact"):  # each layout's section
+            output = self.snap.get(section, {}).get("output") or "{}"
+            for item in json.loads(output).get("nftables", []):
+                t = item.get("table") if isinstance(item, dict) else None
+                if t:
+                    tables.append(TableRef(t["family"], t["name"]))
         return _Tables(tables)
 
     def nft_table_exists(self, family: str, name: str) -> bool:
@@ -184,7 +194,8 @@ def leftovers_by_mode(ctx: Context) -> list[tuple[str | None, OwnedObject]]:
     the reads preflight already made; each with the mode whose state it is."""
     from kproxy.leftovers import leftovers_by_mode as found_by_mode
 
-    return found_by_mode(_PreflightDump(ctx), ctx.current_mode, ctx.current_flavour, remove=False)
+    dump = NodeDump(ctx) if ctx.live is not None else _PreflightDump(ctx)
+    return found_by_mode(dump, ctx.current_mode, ctx.current_flavour, remove=False)
 
 
 def leftover_objects(ctx: Context) -> list[OwnedObject]:

@@ -58,6 +58,20 @@ class Finding:
     def blocks(self) -> bool:
         return self.severity is Severity.BLOCK
 
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Finding:
+        """A finding as to_dict() wrote it."""
+        return cls(
+            doc["id"],
+            Severity(doc["severity"]),
+            doc.get("found", ""),
+            doc.get("why", ""),
+            tuple(doc.get("fix", ())),
+            doc.get("subject", ""),
+            dict(doc.get("facts", {})),
+            doc.get("layer", ""),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": self.id,

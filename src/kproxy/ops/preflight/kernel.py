@@ -551,15 +551,22 @@ def _kube_chains(save_text: str) -> list[str]:
     return chains
 
 
+def kube_chains(ctx: Context, flavour: str) -> list[str]:
+    """kube-proxy's chains in one iptables backend: from the save preflight read anyway,
+    or beside a running kproxy (which reads no save) by their names alone."""
+    if ctx.live is None:
+        return _kube_chains(ctx.kernel_snapshot.get(f"iptables-{flavour}", {}).get("output", ""))
+    from kproxy.ops.preflight.dataplane import NodeDump
+
+    names = NodeDump(ctx).iptables_chains(flavour)
+    return [n for n in names if n.startswith("KUBE-") and n not in _SHARED_CHAINS]
+
+
 def check_iptables(ctx: Context) -> list[Finding]:
     """Which backend the iptables command uses, that the target's tools exist, and whether
     kube-proxy chains live in both backends at once."""
     out: list[Finding] = []
-    snap = ctx.kernel_snapshot
-    per_backend = {
-        fl: _kube_chains(snap.get(f"iptables-{fl}", {}).get("output", ""))
-        for fl in ("nft", "legacy")
-    }
+    per_backend = {fl: kube_chains(ctx, fl) for fl in ("nft", "legacy")}
     if per_backend["nft"] and per_backend["legacy"]:
         out.append(
             warn(

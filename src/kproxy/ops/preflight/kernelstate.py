@@ -43,12 +43,12 @@ class KernelState(Mapping[str, Any]):
             "error": (proc.stderr or "").strip(),
         }
 
-    def _nftables(self) -> dict[str, Any]:
+    def _nftables(self, section: str) -> dict[str, Any]:
         def run(argv: list[str]) -> tuple[int, str, str]:
             proc = self.access.run(argv)
             return proc.returncode, proc.stdout or "", proc.stderr or ""
 
-        return nftables_section(run)
+        return nftables_section(run, section)
 
     def __getitem__(self, key: str) -> Any:
         if key in self._meta:
@@ -62,7 +62,7 @@ class KernelState(Mapping[str, Any]):
             raise KeyError(key)
         if key not in self._sections:
             argv = _COMMANDS[key]
-            self._sections[key] = self._nftables() if argv is None else self._section(list(argv))
+            self._sections[key] = self._nftables(key) if argv is None else self._section(list(argv))
         return self._sections[key]
 
     def __iter__(self) -> Iterator[str]:

@@ -267,7 +267,7 @@ def check_references(ctx: Context) -> list[Finding]:
             continue
         why = view.ignored.get(svc)
         if why is None:
-            if svc not in view.raw_services:
+            if svc not in view.known:
                 orphans.append(svc)
             continue
         if "no clusterIP" in why:
@@ -284,15 +284,12 @@ def check_references(ctx: Context) -> list[Finding]:
                 )
             )
     local_names = {}
-    for key in view.raw_services:
+    for key in view.known:
         ns, name = key.split("/", 1)
         for suffix in ("", ".svc", ".svc.cluster.local"):
             local_names[f"{name}.{ns}{suffix}"] = key
-    for key, obj in sorted(view.raw_services.items()):
-        spec = obj.get("spec") or {}
-        if spec.get("type") != "ExternalName":
-            continue
-        target = local_names.get(str(spec.get("externalName", "")).rstrip("."))
+    for key, external_name in sorted(view.external_names.items()):
+        target = local_names.get(external_name.rstrip("."))
         if target and "no clusterIP" in view.ignored.get(target, ""):
             out.append(
                 warn(

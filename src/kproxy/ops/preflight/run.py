@@ -38,6 +38,7 @@ from kproxy.ops.preflight.findings import (
     render_text,
     warn,
 )
+from kproxy.ops.preflight.live import PATH_LIVE, PATH_READ, LiveState
 
 log = logging.getLogger("kproxy.preflight")
 
@@ -68,6 +69,27 @@ class PreflightResult:
     # Per check, and "read.kernel" for the first read of the node's dataplane: where a
     # slow preflight spends its time.
     check_seconds: dict[str, float] = field(default_factory=dict)
+    # Where the objects and the mode came from: the running kproxy (live.PATH_LIVE) or
+    # read here from the source and the kernel (live.PATH_READ).
+    path: str = PATH_READ
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> PreflightResult:
+        """A result as to_dict() wrote it (the running kproxy's answer)."""
+        return cls(
+            target=doc["target"],
+            current_mode=doc.get("current_mode"),
+            current_flavour=doc.get("current_flavour"),
+            node=doc.get("node", ""),
+            netns=doc.get("netns"),
+            findings=[Finding.from_dict(f) for f in doc.get("findings", [])],
+            ran=list(doc.get("checks_run", [])),
+            skipped=dict(doc.get("checks_skipped", {})),
+            notes=list(doc.get("notes", [])),
+            seconds=float(doc.get("seconds", 0.0)),
+            check_seconds=dict(doc.get("check_seconds", {})),
+            path=doc.get("path", PATH_READ),
+        )
 
     @property
     def exit_code(self) -> int:
@@ -87,6 +109,7 @@ class PreflightResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
+            "path": self.path,
             "current_mode": self.current_mode,
             "current_flavour": self.current_flavour,
             "node": self.node,
@@ -110,7 +133,8 @@ class PreflightResult:
         if self.current_flavour and self.current_mode in ("iptables", "userspace"):
             cur += f" (iptables-{self.current_flavour})"
         where = f", network namespace {self.netns}" if self.netns else ""
-        return f"kproxy preflight: {cur} -> {self.target} on node {self.node}{where}"
+        how = " (asked the running kproxy)" if self.path == PATH_LIVE else ""
+        return f"kproxy preflight: {cur} -> {self.target} on node {self.node}{where}{how}"
 
     def verdict(self) -> str:
         if self.safe:
@@ -132,7 +156,7 @@ def detect_current(snap: dict[str, Any]) -> tuple[str | None, str | None, list[s
             live.append(("userspace", fl))
         elif "-j KUBE-SERVICES" in text and ":KUBE-SERVICES" in text:
             live.append(("iptables", fl))
-    if backup.nft_has_kube_proxy(snap.get("nftables", {}).get("output", "")):
+    if any(backup.nft_has_kube_proxy(snap.get(s, {}).get("output", "")) for s in backup.NFT_PLANES):
         live.append(("nftables", None))
     if "-A -" in snap.get("ipvs", {}).get("output", ""):
         live.append(("ipvs", None))
@@ -245,8 +269,13 @@ def run_preflight(
     objects: list[dict[str, Any]] | None = None,
     snapshot_taker: Callable[[str | None], dict[str, Any]] | None = None,
     families: Sequence[str] | None = None,
+    live: LiveState | None = None,
+    backup_at_switch: bool = False,
 ) -> PreflightResult:
-    """All checks for a switch to `target` (validated by the caller: one of the modes)."""
+    """All checks for a switch to `target` (validated by the caller: one of the modes).
+    live: the running kproxy's own objects and mode (live.py), inside that kproxy.
+    backup_at_switch: the switch that follows records the dataplane itself before it
+    changes anything (its "before" snapshot), so no backup is read and written here."""
     started = time.monotonic()
     acc = access or NodeAccess()
     status = dict(status) if status else None
@@ -265,18 +294,24 @@ def run_preflight(
         config_override=config,
         objects_override=objects,
         snapshot_taker=snapshot_taker,
+        live=live,
     )
     read_started = time.monotonic()
-    detected, flavour, notes = detect_current(ctx.kernel_snapshot)
+    if live is not None:
+        # The proxy knows what serves; other modes' state is the leftover check's to find.
+        ctx.current_mode, ctx.current_flavour = live.mode, live.flavour
+    else:
+        detected, flavour, notes = detect_current(ctx.kernel_snapshot)
+        ctx.notes += notes
+        ctx.current_mode = current_mode or (status or {}).get("mode") or detected
+        ctx.current_flavour = current_flavour or (flavour if ctx.current_mode == detected else None)
+        if ctx.current_flavour is None and ctx.current_mode in ("iptables", "userspace"):
+            ctx.current_flavour = _flavour_with_state(ctx.kernel_snapshot, ctx.current_mode)
     read_seconds = time.monotonic() - read_started
-    ctx.notes += notes
-    ctx.current_mode = current_mode or (status or {}).get("mode") or detected
-    ctx.current_flavour = current_flavour or (flavour if ctx.current_mode == detected else None)
-    if ctx.current_flavour is None and ctx.current_mode in ("iptables", "userspace"):
-        ctx.current_flavour = _flavour_with_state(ctx.kernel_snapshot, ctx.current_mode)
     result = PreflightResult(
         target, ctx.current_mode, ctx.current_flavour, ctx.node_name, acc.netns, findings=[]
     )
+    result.path = PATH_LIVE if live is not None else PATH_READ
     result.check_seconds["read.kernel"] = read_seconds
     for family, checks in FAMILIES.items():
         if families is not None and family not in families:
@@ -285,8 +320,12 @@ def run_preflight(
             if target not in check.modes:
                 result.skipped[check.name] = f"does not apply to {target} mode"
                 continue
-            if check.needs_source and ctx.objects is None:
+            if check.needs_source and not ctx.has_objects:
                 result.skipped[check.name] = "needs --source (the Services and EndpointSlices)"
+                continue
+            if backup_at_switch and check.family == "backup":
+                result.findings.append(backup.at_switch(ctx))
+                result.ran.append(check.name)
                 continue
             check_started = time.monotonic()
             try:
@@ -303,7 +342,7 @@ def run_preflight(
                 )
             result.check_seconds[check.name] = time.monotonic() - check_started
             result.ran.append(check.name)
-    if source is None and objects is None:
+    if not ctx.has_objects and source is None:
         ctx.notes.append("no --source given: object and consistency checks skipped")
     result.notes = ctx.notes
     result.seconds = time.monotonic() - started

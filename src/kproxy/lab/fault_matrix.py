@@ -1,0 +1,611 @@
+"""The fault matrix: one kproxy on a lab node, traffic to a service nobody changes, and
+faults injected (kproxy.lab.faults) into the syncs and switches of another service.
+
+The kernel tests (tests/test_faults_kernel.py) assert on what a case observed;
+bench/fault_bench.py runs the cases many times and prints a table.
+
+Services: "web" (10.96.0.10:80, pods 1 and 2) carries the load and is never changed;
+"moving" (10.96.0.20:80) has its one endpoint flipped between pod 3 and pod 4, so each
+flip queues a change whose sync meets the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kproxy.dataplane.anchor import CHAIN as ANCHOR_CHAIN
+from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
+from kproxy.lab.faults import StateDirFault, ToolFaults
+from kproxy.lab.load import LoadHarness, LoadResult
+from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.topology import Lab
+from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
+
+WEB = ("10.96.0.10", 80)
+MOVING = ("10.96.0.20", 80)
+MOVING_PODS = ("pod3", "pod4")
+HEALTHZ_PORT = 10256
+METRICS_PORT = 10249
+CONFIG = """\
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: {mode}
+hostnameOverride: node1
+clusterCIDR: 10.244.0.0/16
+iptables: {{minSyncPeriod: 100ms, syncPeriod: {sync_period}s}}
+nftables: {{minSyncPeriod: 100ms, syncPeriod: {sync_period}s}}
+conntrack: {{maxPerCore: 0}}
+"""
+# Failure counters per mode, upstream's names (kproxy_sync_failures_total for every mode).
+FAILURE_METRIC = {
+    "iptables": "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+    "nftables": "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
+}
+FETCH = """\
+import sys, urllib.request, urllib.error
+try:
+    r = urllib.request.urlopen(sys.argv[1], timeout=5)
+    print(r.status); print(r.read().decode())
+except urllib.error.HTTPError as e:
+    print(e.code); print(e.read().decode())
+"""
+
+
+def _objects(moving_pod: str, pod_ips: dict[str, str]) -> list[dict[str, Any]]:
+    def svc(name: str, ip: str, pods: list[str]) -> list[dict[str, Any]]:
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {
+                    "clusterIP": ip,
+                    "ports": [{"name": "http", "port": 80, "targetPort": 8080}],
+                },
+            },
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": f"{name}-1",
+                    "namespace": "default",
+                    "labels": {"kubernetes.io/service-name": name},
+                },
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8080}],
+                "endpoints": [{"addresses": [pod_ips[p]], "nodeName": "node1"} for p in pods],
+            },
+        ]
+
+    return [*svc("web", WEB[0], ["pod1", "pod2"]), *svc("moving", MOVING[0], [moving_pod])]
+
+
+def _write(path: Path, docs: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    tmp.replace(path)
+
+
+@dataclass
+class Outcome:
+    """What one fault case saw."""
+
+    fault: str
+    step: str
+    mode: str
+    failed_requests: int = 0  # to "web", the service the fault did not concern
+    recovered: bool = False
+    recover_seconds: float | None = None
+    in_status: bool = False  # the fault in `kproxy status` (last_error / last_switch)
+    in_metrics: bool = False  # a failure counter went up
+    healthz_503: bool | None = None  # None: not waited for (the case had no queued change)
+    leftovers: list[str] = field(default_factory=list)  # objects of a mode not serving
+    notes: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.failed_requests == 0
+            and self.recovered
+            and self.in_status
+            and self.in_metrics
+            and self.healthz_503 is not False
+            and not self.leftovers
+        )
+
+
+class FaultRig:
+    """kproxy in `mode` on the lab's node with every tool wrapped, and load on "web"."""
+
+    def __init__(
+        self,
+        lab: Lab,
+        workdir: Path,
+        mode: str,
+        *,
+        backend: str = "nft",
+        sync_period: float = 1.0,
+        tool_timeout: float = 1.0,
+        state_tmpfs: str | None = None,
+    ) -> None:
+        if len(lab.pods) < 4:
+            raise ValueError("the fault matrix needs a lab of 4 pods")
+        self.lab = lab
+        self.workdir = workdir
+        self.mode = mode
+        self.backend = backend
+        self.sync_period = sync_period
+        self.source = workdir / "objects"
+        self.source.mkdir(parents=True, exist_ok=True)
+        self.moving_pod = MOVING_PODS[0]
+        _write(self.source / "services.yaml", _objects(self.moving_pod, lab.pod_ips))
+        _write(
+            self.source / "node.yaml",
+            [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {"name": "node1", "labels": {"kubernetes.io/hostname": "node1"}},
+                    "spec": {"podCIDR": "10.244.0.0/24", "podCIDRs": ["10.244.0.0/24"]},
+                    "status": {"addresses": [{"type": "InternalIP", "address": lab.node_ip}]},
+                }
+            ],
+        )
+        config = workdir / "config.yaml"
+        config.write_text(CONFIG.format(mode=mode, sync_period=f"{sync_period:g}"))
+        self.faults = ToolFaults(workdir / "faults")
+        self.proxy = ProxyProcess(
+            lab,
+            self.source,
+            config=config,
+            args=["--iptables-backend", backend, "--tool-timeout", f"{tool_timeout:g}"],
+            workdir=workdir / "kproxy",
+            path_prefix=self.faults.bin,
+            env=self.faults.env(),
+            state_tmpfs=state_tmpfs,
+        )
+        self.load: LoadHarness | None = None
+        self._prober = lab.agent(lab.pod_ns[0])
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> FaultRig:
+        self.proxy.start(timeout=30)
+        wait_for(lambda: self.live_modes() == {self.mode}, 20, "the mode serving alone")
+        self.load = LoadHarness(self.lab, tcp=WEB, streams=3).start()
+        time.sleep(0.3)
+        return self
+
+    def failed_so_far(self) -> int:
+        return self.load.result.failures if self.load is not None else 0
+
+    def stop(self) -> LoadResult | None:
+        result = self.load.stop() if self.load is not None else None
+        self.load = None
+        self.faults.clear()
+        self.proxy.stop()
+        return result
+
+    def __enter__(self) -> FaultRig:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    # -- what kproxy says -----------------------------------------------------------------
+
+    def http(self, port: int, path: str) -> tuple[int, str]:
+        out = self.lab.exec(
+            self.lab.node_ns,
+            [sys.executable, "-c", FETCH, f"http://127.0.0.1:{port}{path}"],
+            check=False,
+            timeout=15,
+        ).stdout
+        code, _, body = out.partition("\n")
+        return (int(code) if code.strip().isdigit() else 0), body
+
+    def healthz(self) -> int:
+        return self.http(HEALTHZ_PORT, "/healthz")[0]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a metric's samples matching labels (0 when absent)."""
+        _, body = self.http(METRICS_PORT, "/metrics")
+        total = 0.0
+        for line in body.splitlines():
+            m = re.match(r"^([a-zA-Z_:]+)(\{[^}]*\})?\s+(\S+)$", line)
+            if m is None or m.group(1) != name:
+                continue
+            found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += float(m.group(3))
+        return total
+
+    def failures_metric(self) -> float:
+        return self.metric("kproxy_sync_failures_total") + self.metric(
+            FAILURE_METRIC.get(self.mode, "kproxy_sync_failures_total")
+        )
+
+    def status(self) -> dict[str, Any]:
+        """`kproxy status --json`, over the admin socket."""
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kproxy.cli",
+                "status",
+                "--json",
+                "--state-dir",
+                str(self.proxy.state_view),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+            env=self.lab.process_env(),
+        )
+        try:
+            return dict(json.loads(proc.stdout))
+        except ValueError:
+            return {"_error": proc.stderr}
+
+    def switch(self, to: str, timeout: float = 60) -> dict[str, Any]:
+        """The switch request `kproxy switch` sends after its preflight (the preflight
+        reads the kernel with the same tools and would meet the fault first)."""
+        request = {"op": "switch", "to": to, "timeout": timeout}
+        try:
+            return call(self.proxy.state_view / SOCKET_NAME, request, timeout=timeout + 60)
+        except (AdminUnavailable, OSError) as err:
+            return {"ok": False, "error": f"no answer: {err}"}
+
+    # -- the kernel -----------------------------------------------------------------------
+
+    def live_modes(self) -> set[str]:
+        """The modes whose rules sit in the packet path of the node (and the switch's
+        anchor, which must not outlive a switch)."""
+        ns = self.lab.node_ns
+        ipt = f"iptables-{self.backend}-save"
+        nat = self.lab.exec(ns, [ipt, "-t", "nat"], check=False).stdout
+        tables = self.lab.exec(ns, ["nft", "list", "tables"], check=False).stdout
+        modes = set()
+        if re.search(r"^-A (PREROUTING|OUTPUT) .*-j KUBE-SERVICES", nat, re.M):
+            modes.add("iptables")
+        if "-j KUBE-PORTALS-CONTAINER" in nat:
+            modes.add("userspace")
+        if re.search(r"table ip kube-proxy\b", tables):
+            modes.add("nftables")
+        if self._anchor_present(tables):
+            modes.add("anchor")
+        return modes
+
+    def _anchor_present(self, nft_tables: str) -> bool:
+        if ANCHOR_TABLE in nft_tables:
+            return True
+        # The anchor's fallback when nft cannot take it: a chain of iptables-legacy's
+        # mangle table (a full save: `-t mangle` would create the table).
+        legacy = self.lab.exec(self.lab.node_ns, ["iptables-legacy-save"], check=False).stdout
+        return ANCHOR_CHAIN in legacy
+
+    def leftovers(self) -> list[str]:
+        """Objects of modes other than the serving one (chains, tables)."""
+        ns = self.lab.node_ns
+        serving = self.mode
+        out = []
+        nat = self.lab.exec(ns, [f"iptables-{self.backend}-save", "-t", "nat"], check=False)
+        if serving != "iptables" and re.search(r"^:KUBE-SVC-", nat.stdout, re.M):
+            out.append("iptables chains KUBE-SVC-*")
+        tables = self.lab.exec(ns, ["nft", "list", "tables"], check=False).stdout
+        if serving != "nftables" and re.search(r"table ip kube-proxy\b", tables):
+            out.append("nftables table ip kube-proxy")
+        if self._anchor_present(tables):
+            out.append("the switch's conntrack anchor")
+        return out
+
+    # -- changes --------------------------------------------------------------------------
+
+    def move(self) -> str:
+        """Flip "moving" to its other pod (a queued change); returns the new pod."""
+        self.moving_pod = MOVING_PODS[1] if self.moving_pod == MOVING_PODS[0] else MOVING_PODS[0]
+        _write(self.source / "services.yaml", _objects(self.moving_pod, self.lab.pod_ips))
+        return self.moving_pod
+
+    def moving_answers_from(self) -> str | None:
+        r = self._prober.request(proto="tcp", dst=MOVING[0], port=MOVING[1], timeout=1.0)
+        return r.pod if r.ok else None
+
+    def converged(self) -> bool:
+        """The serving mode alone in the packet path, "moving" served by its current pod,
+        kproxy's status free of errors and /healthz 200."""
+        st = self.proxy.status()
+        return (
+            self.live_modes() == {self.mode}
+            and all(self.moving_answers_from() == self.moving_pod for _ in range(3))
+            and st.get("last_error") is None
+            and not st.get("pending", True)
+            and self.healthz() == 200
+        )
+
+    # -- the cases ------------------------------------------------------------------------
+
+    def sync_case(self, fault: str, step: str, inject: Callable[[ToolFaults], None]) -> Outcome:
+        """A fault at a sync's apply step: a change is queued and its sync fails until the
+        fault is cleared."""
+        if step.endswith("cleanup"):
+            return self._cleanup_case(fault, step, inject)
+        out = Outcome(fault, step, self.mode)
+        failed0 = self.failed_so_far()
+        before = self.proxy.status().get("failures", 0)
+        metric0 = self.failures_metric()
+        inject(self.faults)
+        queued = time.monotonic()
+        self.move()
+        try:
+            wait_for(lambda: self.proxy.status().get("failures", 0) > before, 20, "a failure")
+            st = self.status()
+            out.in_status = bool(st.get("last_error")) and st.get("consecutive_failures", 0) > 0
+            out.in_metrics = self.failures_metric() > metric0
+            # upstream: unhealthy once a queued change waits 2 x syncPeriod
+            left = 2 * self.sync_period - (time.monotonic() - queued)
+            time.sleep(max(0.0, left) + 0.5)
+            out.healthz_503 = self.healthz() == 503
+            out.notes = str(st.get("last_error"))[:160]
+        finally:
+            self.faults.clear()
+        out.recover_seconds, out.recovered = self._recover()
+        out.failed_requests = self.failed_so_far() - failed0
+        out.leftovers = self.leftovers()
+        return out
+
+    def _cleanup_case(self, fault: str, step: str, inject: Callable[[ToolFaults], None]) -> Outcome:
+        """A fault in a cleanup the sync goes on without (upstream: a cleanup failure,
+        not a failed sync; /healthz stays 200): the change itself is applied."""
+        out = Outcome(fault, step, self.mode)
+        failed0 = self.failed_so_far()
+        name = "kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total"
+        metric0 = self.metric(name)
+        syncs0 = self.proxy.status().get("syncs", 0)
+
+        def failed_cleanup() -> bool:
+            st = self.proxy.status()
+            result = st.get("last_result") or {}
+            return st.get("syncs", 0) > syncs0 and bool(result.get("cleanup_failures"))
+
+        inject(self.faults)
+        try:
+            self.move()  # the old endpoint's chain goes stale: a later sync deletes it
+            wait_for(failed_cleanup, 20, "a failed cleanup in status")
+            out.in_status = True
+            out.in_metrics = self.metric(name) > metric0
+            out.healthz_503 = None
+            out.notes = f"healthz {self.healthz()} (the sync went on)"
+        except TimeoutError as err:
+            out.notes = str(err)
+        finally:
+            self.faults.clear()
+        out.recover_seconds, out.recovered = self._recover()
+        out.failed_requests = self.failed_so_far() - failed0
+        out.leftovers = self.leftovers()
+        return out
+
+    def switch_case(
+        self, fault: str, step: str, to: str, inject: Callable[[ToolFaults], None]
+    ) -> Outcome:
+        """A fault at one step of a switch to `to`: the switch fails with the old mode
+        serving alone, or completes (a fault after the cut-over); then a change is synced
+        by whichever mode serves, and the rig switches back if it had switched."""
+        out = Outcome(fault, step, self.mode)
+        failed0 = self.failed_so_far()
+        metric0 = self.metric("kproxy_mode_switches_total", result="failed")
+        inject(self.faults)
+        try:
+            report = self.switch(to)
+        finally:
+            self.faults.clear()
+        st = self.status()
+        if report.get("ok"):
+            switched = True
+            last = st.get("last_switch") or {}
+            details = " ".join(str(s.get("detail")) for s in last.get("steps", []))
+            # Visible: leftovers named, or the anchor's fallback when nft refused it.
+            out.in_status = bool(last.get("leftover_error")) or "iptables-legacy" in details
+            out.in_metrics = True  # a completed switch counts as ok; leftovers in the report
+            out.notes = f"switched; leftovers: {report.get('leftover_error')}"[:160]
+        else:
+            switched = False
+            last = st.get("last_switch") or {}
+            out.in_status = bool(last.get("error")) and st.get("mode") == self.mode
+            out.in_metrics = self.metric("kproxy_mode_switches_total", result="failed") > metric0
+            out.notes = str(report.get("error"))[:160]
+        previous = self.mode
+        if switched:
+            self.mode = to
+        self.move()
+        out.recover_seconds, out.recovered = self._recover()
+        out.failed_requests = self.failed_so_far() - failed0
+        out.leftovers = self.leftovers()
+        if switched:
+            back = self.switch(previous)
+            if back.get("ok"):
+                self.mode = previous
+            wait_for(self.converged, 30, f"back in {self.mode} after the case")
+        return out
+
+    def _recover(self, timeout: float = 30) -> tuple[float | None, bool]:
+        started = time.monotonic()
+        deadline = started + timeout
+        while time.monotonic() < deadline:
+            if self.converged():
+                return round(time.monotonic() - started, 2), True
+            time.sleep(0.1)
+        return None, False
+
+    def kill_case(self, rng: Any, during: str) -> Outcome:
+        """kill -9 of kproxy at a random moment of a sync ("sync") or of a switch to the
+        other mode ("switch"); then a restart, which must converge on the configured mode
+        with nothing of the other left."""
+        out = Outcome("kill -9 of kproxy", during, self.mode)
+        failed0 = self.failed_so_far()
+        other = "nftables" if self.mode == "iptables" else "iptables"
+        switcher = None
+        if during == "switch":
+            switcher = threading.Thread(target=self.switch, args=(other,), daemon=True)
+            switcher.start()
+            time.sleep(rng.uniform(0.0, 1.5))  # somewhere in the switch's steps
+        else:
+            self.move()
+            time.sleep(rng.uniform(0.0, 0.4))
+        self.proxy.kill()
+        if switcher is not None:
+            switcher.join(timeout=60)
+        out.in_status = out.in_metrics = True  # nothing runs to report: the restart is the test
+        out.notes = f"at {sorted(self.live_modes())}"
+        self.proxy.start(timeout=30)
+        out.recover_seconds, out.recovered = self._recover()
+        out.failed_requests = self.failed_so_far() - failed0
+        out.leftovers = self.leftovers()
+        return out
+
+    def state_dir_case(self, fault: str) -> Outcome:
+        """The state dir read-only or full while changes sync and a switch is tried."""
+        out = Outcome(f"state dir {fault}", "sync + switch", self.mode)
+        failed0 = self.failed_so_far()
+        sd = StateDirFault(self.proxy)
+        (sd.read_only if fault == "read-only" else sd.fill)()
+        try:
+            self.move()
+            wait_for(lambda: self.moving_answers_from() == self.moving_pod, 10, "the change synced")
+            other = "nftables" if self.mode == "iptables" else "iptables"
+            report = self.switch(other)
+            st = self.status()
+            out.in_status = bool(st.get("state_dir_error")) or "state" in str(report)
+            out.in_metrics = True  # no upstream metric for the state dir; syncs go on
+            if report.get("ok"):
+                out.notes = "switched (its records not kept)"
+                self.mode = other
+            else:
+                out.notes = str(report.get("error"))[:160]
+            out.healthz_503 = None
+        finally:
+            (sd.writable if fault == "read-only" else sd.free)()
+        self.move()
+        out.recover_seconds, out.recovered = self._recover()
+        st = self.status()
+        out.recovered = out.recovered and not st.get("state_dir_error")
+        out.failed_requests = self.failed_so_far() - failed0
+        out.leftovers = self.leftovers()
+        return out
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if check():
+            return time.monotonic() - started
+        time.sleep(0.1)
+    raise TimeoutError(f"{what}: not within {timeout} s")
+
+
+# --- the cases ----------------------------------------------------------------------------
+
+
+def restore_tool(mode: str, backend: str = "nft") -> tuple[str, str]:
+    """(tool, argument match) of a sync's apply step in `mode`."""
+    if mode == "iptables":
+        return f"iptables-{backend}-restore", ""
+    return "nft", "-f"
+
+
+# (fault, step, how to inject it)
+Case = tuple[str, str, Callable[[ToolFaults], None]]
+
+
+def sync_faults(mode: str, backend: str = "nft") -> list[Case]:
+    """(fault, step, inject) for a sync's apply step of `mode`."""
+    tool, match = restore_tool(mode, backend)
+    cases: list[Case] = [
+        (f"{tool} fails", "sync: apply", lambda f: f.set(tool, "fail", match=match, code=2)),
+        (f"{tool} hangs", "sync: apply", lambda f: f.set(tool, "hang", match=match)),
+        (f"{tool} killed", "sync: apply", lambda f: f.set(tool, "kill", match=match)),
+        (
+            f"{tool} killed after its commit",
+            "sync: apply",
+            lambda f: f.set(tool, "kill-after", match=match),
+        ),
+    ]
+    if mode == "nftables":
+        # Netlink carries the deletes of stale chains, a cleanup the sync goes on without.
+        cleanup = "sync: stale-chain cleanup"
+        cases += [
+            ("netlink batch fails", cleanup, lambda f: f.netlink("nftables", "fail")),
+            ("netlink batch hangs", cleanup, lambda f: f.netlink("nftables", "hang", 2)),
+        ]
+    return cases
+
+
+def switch_faults(old: str, to: str, backend: str = "nft") -> list[Case]:
+    """(fault, step, inject) at each switch step that runs a tool, for old -> to."""
+    ipt = f"iptables-{backend}-restore"
+    cases: list[Case] = [
+        (
+            "nft -f fails",
+            "switch: anchor",
+            lambda f: f.set("nft", "fail", match="-f", input_match="ct-anchor"),
+        ),
+    ]
+    if to == "nftables":
+        cases += [
+            (
+                "nft -f fails",
+                "switch: program",
+                lambda f: f.set("nft", "fail", match="-f", input_match="kube-proxy"),
+            ),
+            (
+                "nft -f hangs",
+                "switch: program",
+                lambda f: f.set("nft", "hang", match="-f", input_match="kube-proxy"),
+            ),
+            ("nft list fails", "switch: verify", lambda f: f.set("nft", "fail", match="list")),
+        ]
+    else:
+        cases += [
+            ("iptables-restore fails", "switch: program", lambda f: f.set(ipt, "fail")),
+            ("iptables-restore killed", "switch: program", lambda f: f.set(ipt, "kill")),
+        ]
+    if old == "iptables":
+        cases += [
+            (
+                "iptables-restore fails",
+                "switch: cut-over",
+                lambda f: f.set(ipt, "fail", input_match="-D PREROUTING"),
+            ),
+            (
+                "netlink batch and iptables-restore fail",
+                "switch: remove",
+                lambda f: (
+                    f.netlink("any", "fail"),
+                    f.set(ipt, "fail", input_match="-X KUBE-"),
+                ),
+            ),
+        ]
+    else:
+        # The detach is a netlink batch, with nft as its fallback: both fail, and so does
+        # the full sync that would confirm the old mode (nft again), so the new mode stays
+        # beside it until the old one syncs and the leftover cleanup removes it.
+        cases += [
+            (
+                "netlink batch and nft -f fail",
+                "switch: cut-over",
+                lambda f: (f.netlink("nftables", "fail"), f.set("nft", "fail", match="-f")),
+            ),
+        ]
+    return cases

@@ -1,0 +1,244 @@
+"""Preflight inside a running kproxy: its own objects and mode, the same findings as reading
+everything again, and no whole-table read; the admin op `preflight` and the CLI's use of it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kproxy.daemon import Daemon
+from kproxy.dataplane.kernel_dump import KernelDump
+from kproxy.ops.inputs import OpsInputs
+from kproxy.ops.inspect.model import Destination
+from kproxy.ops.preflight import run_preflight
+from kproxy.ops.preflight.cli import ask_running
+from kproxy.ops.preflight.findings import ordered
+from kproxy.ops.preflight.live import PATH_LIVE, PATH_READ
+from kproxy.ops.preflight.run import PreflightResult
+from kproxy.server.admin import AdminServer, AdminTarget
+from tests.support.objects import endpoint, endpoint_slice, node, port, service
+from tests.support.preflight_fakes import FakeNode, live_state, recorded
+
+PODS = ["10.244.1.10", "10.244.2.10"]
+SAVE = """*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-AAAA - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http cluster IP" -m tcp --dport 80 -j KUBE-SVC-AAAA
+-A KUBE-SERVICES -d 10.96.9.9/32 -p tcp -m comment --comment "old/gone:http cluster IP" -m tcp --dport 80 -j KUBE-SVC-BBBB
+COMMIT
+"""  # noqa: E501
+# What the iptables-nft reader finds in SAVE.
+PROGRAMMED = {
+    "iptables-nft": {
+        Destination("10.96.0.10", "tcp", 80): "default/web:http",
+        Destination("10.96.9.9", "tcp", 80): "old/gone:http",
+    }
+}
+
+
+def objects() -> list[dict[str, Any]]:
+    """Services of every kind the object checks tell apart."""
+    return [
+        node(),
+        service("web", "10.96.0.10", [port("http", 80, 8080)], selector={"app": "web"}),
+        endpoint_slice("web", [endpoint(ip) for ip in PODS], [port("http", 8080)]),
+        service("api", "10.96.0.30", [port("https", 443, 8443)], selector={"app": "api"}),
+        service("twin", "10.96.0.10", [port("http", 80, 8080)]),
+        service("db", "10.96.0.50", [port("pg", 5432, 5432)]),
+        endpoint_slice("db", [endpoint(PODS[0])], [port("pg", 5432)]),
+        service("zero", "10.96.0.40", [port("http", 0, 8080)]),
+        service("pending", "", [port("http", 80)]),
+        endpoint_slice("pending", [endpoint("10.244.0.5")], [port("http", 80)]),
+        endpoint_slice("ghost", [endpoint("10.244.0.6")], [port("http", 80)]),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "alias", "namespace": "default"},
+            "spec": {"type": "ExternalName", "externalName": "pending.default.svc.cluster.local"},
+        },
+    ]
+
+
+def never_read(_netns: str | None) -> dict[str, Any]:
+    raise AssertionError("the kernel state sections were read")
+
+
+def facts(result: PreflightResult) -> list[tuple[str, str, str, str]]:
+    return sorted((f.id, f.severity.value, f.subject, f.found) for f in result.findings)
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeNode:
+    return FakeNode(tmp_path / "root")
+
+
+def test_the_running_proxys_objects_give_the_findings_of_reading_them_again(
+    fake: FakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Leftovers read the kernel itself beside a running proxy: the kernel test compares them.
+    monkeypatch.setattr("kproxy.leftovers.leftovers_by_mode", lambda *_a, **_k: [])
+    families = ["objects", "dataplane"]
+    read = run_preflight(
+        "nftables",
+        access=fake.access(),
+        families=families,
+        snapshot_taker=recorded(nft=SAVE),
+        objects=objects(),
+        node_name="node1",
+        current_mode="iptables",
+    )
+    live = run_preflight(
+        "nftables",
+        access=fake.access(),
+        families=families,
+        snapshot_taker=never_read,
+        node_name="node1",
+        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
+    )
+    ids = {f.id for f in read.findings}
+    # every object check and the consistency check found something here
+    assert {"objects.port-zero", "objects.no-endpoints", "objects.destination-collision"} <= ids
+    assert {"objects.no-cluster-ip-referenced", "objects.orphan-slices"} <= ids
+    assert {"dataplane.missing-services", "dataplane.extra-services"} <= ids
+    assert facts(live) == facts(read)
+    assert (read.path, live.path) == (PATH_READ, PATH_LIVE)
+    assert live.current_mode == "iptables" and live.current_flavour == "nft"
+    assert not [argv for argv in fake.ran if argv[0].endswith("-save")]
+
+
+def test_a_switchs_preflight_leaves_the_backup_to_the_switch(
+    fake: FakeNode, tmp_path: Path
+) -> None:
+    result = run_preflight(
+        "nftables",
+        access=fake.access(),
+        families=["backup"],
+        snapshot_taker=never_read,
+        state_dir=tmp_path / "state",
+        node_name="node1",
+        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
+        backup_at_switch=True,
+    )
+    assert [f.id for f in result.findings] == ["backup.at-switch"] and result.safe
+    assert not (tmp_path / "state").exists()
+
+
+def test_kube_chains_per_backend_by_name_without_a_save(
+    fake: FakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chains = {
+        "nat": ["KUBE-SERVICES", "KUBE-SVC-AAAA"],
+        "filter": ["KUBE-FIREWALL"],
+        "kube-proxy": ["services"],
+    }
+    asked: list[str] = []
+
+    def by_table(_dump: object, family: str) -> dict[str, list[str]]:
+        asked.append(family)
+        return chains
+
+    monkeypatch.setattr(KernelDump, "nft_chains_by_table", by_table)
+    monkeypatch.setattr(KernelDump, "iptables_tables_exist", lambda _dump, _flavour: True)
+    fake.command(["cat", "/proc/net/ip_tables_names"], out="nat\n")
+    fake.command(["iptables-legacy-save"], out="*nat\n:KUBE-SERVICES - [0:0]\nCOMMIT\n")
+    result = run_preflight(
+        "iptables",
+        access=fake.access(),
+        families=["kernel"],
+        snapshot_taker=never_read,
+        node_name="node1",
+        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
+    )
+    both = next(f for f in result.findings if f.id == "iptables.both-backends")
+    assert both.facts == {"nft": ["KUBE-SERVICES", "KUBE-SVC-AAAA"], "legacy": ["KUBE-SERVICES"]}
+    assert asked == ["ip"] and ["iptables-nft-save"] not in fake.ran
+
+
+def test_a_result_survives_its_json(fake: FakeNode) -> None:
+    result = run_preflight(
+        "nftables",
+        access=fake.access(),
+        families=["objects"],
+        snapshot_taker=never_read,
+        node_name="node1",
+        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
+    )
+    again = PreflightResult.from_dict(json.loads(result.to_json()))
+    assert again.to_dict() == result.to_dict() and again.findings == ordered(result.findings)
+
+
+# --- the admin op and the CLI ---------------------------------------------------------------
+
+
+def daemon_stub(result: PreflightResult, started: bool = True) -> Any:
+    """What Daemon._preflight_request uses of the daemon."""
+    seen: list[tuple[str, bool]] = []
+    done = threading.Event()
+    if started:
+        done.set()
+
+    def preflight(target: str, *, backup_at_switch: bool) -> PreflightResult:
+        seen.append((target, backup_at_switch))
+        return result
+
+    return SimpleNamespace(first_sync_done=done, preflight=preflight, seen=seen)
+
+
+def test_the_preflight_op_checks_its_request(fake: FakeNode) -> None:
+    result = PreflightResult("nftables", "iptables", "nft", "node1", None, findings=[])
+    stub = daemon_stub(result)
+    answer = Daemon._preflight_request(stub, {"to": "nftables", "backup": "switch"})
+    assert answer == {"ok": True, "result": result.to_dict()}
+    assert stub.seen == [("nftables", True)]
+    assert "one of" in Daemon._preflight_request(stub, {"to": "nftabels"})["error"]
+    assert (
+        "'switch' or 'write'"
+        in Daemon._preflight_request(stub, {"to": "ipvs", "backup": 1})["error"]
+    )
+    starting = daemon_stub(result, started=False)
+    assert "still starting" in Daemon._preflight_request(starting, {"to": "ipvs"})["error"]
+    assert starting.seen == []
+
+
+def test_the_cli_asks_the_running_proxy_over_tcp_with_its_token(
+    fake: FakeNode, tmp_path: Path
+) -> None:
+    result = run_preflight(
+        "nftables",
+        access=fake.access(),
+        families=["objects"],
+        snapshot_taker=never_read,
+        node_name="node1",
+        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
+    )
+    stub = daemon_stub(result)
+    srv = AdminServer(
+        tmp_path / "admin.sock",
+        {"preflight": lambda req: Daemon._preflight_request(stub, req)},
+        tcp_address=("127.0.0.1", 0),
+    )
+    srv.start()
+    try:
+        address = srv.tcp_bound
+        assert address is not None
+        token = srv.token_path.read_text().strip()
+        running = {"mode": "iptables", "pid": 1}
+        good = OpsInputs(tmp_path, admin=AdminTarget(address=address, token=token), status=running)
+        got, note = ask_running(good, "nftables", backup="switch")
+        assert note is None and got is not None
+        assert got.path == PATH_LIVE and got.findings == ordered(result.findings)
+        assert stub.seen == [("nftables", True)]
+        bad = OpsInputs(tmp_path, admin=AdminTarget(address=address, token="x"), status=running)
+        refused, why = ask_running(bad, "nftables", backup="write")
+        assert refused is None and why is not None and "unauthorized" in why
+        assert len(stub.seen) == 1
+    finally:
+        srv.stop()
+    nobody = OpsInputs(tmp_path, status=None)
+    assert ask_running(nobody, "nftables", backup="write") == (None, None)

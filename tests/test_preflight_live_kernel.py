@@ -1,0 +1,93 @@
+"""A switch's preflight beside a running kproxy, on a real lab node: the running kproxy
+answers it from what it holds (no whole nft table listed, no source file opened), with the
+findings of the preflight that reads everything itself."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.topology import Lab
+from kproxy.ops.inputs import ops_inputs
+from kproxy.ops.preflight.cli import switch_gate
+from kproxy.ops.preflight.live import PATH_LIVE, PATH_READ
+from tests.support.preflight_lab import config, objects
+
+pytestmark = pytest.mark.kernel
+
+
+def logging_tool(folder: Path, tool: str, log: Path) -> None:
+    """`tool` in `folder`: logs its arguments, one call a line, then runs the real one."""
+    real = shutil.which(tool, path="/usr/sbin:/sbin:/usr/bin:/bin")
+    assert real is not None
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / tool
+    script.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {real} "$@"\n')
+    script.chmod(0o755)
+
+
+def test_a_switchs_preflight_asks_the_running_kproxy_and_finds_the_same(
+    lab: Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = tmp_path / "nft-calls.log"
+    calls.touch()
+    logging_tool(tmp_path / "bin", "nft", calls)
+    proxy = ProxyProcess(
+        lab,
+        objects(tmp_path / "objects"),
+        config=config(tmp_path, "nftables"),
+        workdir=tmp_path / "kp",
+        path_prefix=tmp_path / "bin",
+    ).start(timeout=60)
+    try:
+        before = calls.read_text().splitlines()
+
+        def no_reading(*_a: object, **_k: object) -> None:
+            raise AssertionError("the switch's preflight read the source again")
+
+        monkeypatch.setattr("kproxy.sources.files.load_path", no_reading)
+        gate = switch_gate("iptables", ops_inputs(state_dir=proxy.state_dir), force=False)
+        assert gate is not None
+        during = calls.read_text().splitlines()[len(before) :]
+        live = gate.result
+        assert live.path == PATH_LIVE, live.notes
+        # The log works: the serving mode's destinations come from its service map alone.
+        assert "-j list map ip kube-proxy service-ips" in during, during
+        assert not [c for c in during if c.startswith("-j list table")], during
+        assert not [c for c in during if c.startswith("list ruleset")], during
+        assert "backup.at-switch" in live.ids() and gate.backup_path() is None
+        # The same node read the old way (the command line, which reads it all itself).
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kproxy.cli",
+                "preflight",
+                "--to",
+                "iptables",
+                "--json",
+                "--no-daemon",
+                "--state-dir",
+                str(proxy.state_dir),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
+        full = json.loads(out.stdout)
+        assert full["path"] == PATH_READ
+        read_ids = sorted(f["id"] for f in full["findings"] if not f["id"].startswith("backup."))
+        live_ids = sorted(f for f in live.ids() if not f.startswith("backup."))
+        assert live_ids == read_ids
+        assert "backup.ok" in {f["id"] for f in full["findings"]}
+        assert live.current_mode == full["current_mode"] == "nftables"
+        assert live.safe == full["safe"]
+    finally:
+        proxy.stop()
