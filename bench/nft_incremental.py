@@ -20,7 +20,10 @@ For each N (services x 10 endpoints, bench/workload.py), in a throwaway namespac
 
 --layout compact (or both) runs the same in kproxy's compact layout (dataplane/nftables/
 compact.py), and beside kproxy's full sync times the bare `nft -f` of the very same
-transaction text in a fresh namespace (the tool alone, same run).
+transaction text in a fresh namespace (the tool alone, same run), with CPU seconds beside
+wall times (a loaded machine stretches wall times, CPU much less) and the process's peak RSS.
+`--services 1000,10000,20000 --layout compact --bare --no-probes` is the compact layout's
+scaling run.
 
 Run as root from the repository: `.venv/bin/python -m bench.nft_incremental --services 1000,10000`.
 Every nft command runs inside the bench namespace (bench/netns.py); nothing else is touched.
@@ -29,6 +32,7 @@ Every nft command runs inside the bench namespace (bench/netns.py); nothing else
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import subprocess
 import time
@@ -60,18 +64,35 @@ def ms(seconds: float) -> str:
     return f"{1000 * seconds:7.1f}"
 
 
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def nft_time(ns: str, text: str, repeats: int = 3) -> float:
     """Best of `repeats` wall times of `nft -f -` with `text` (must succeed every time)."""
-    best = float("inf")
+    return nft_times(ns, text, repeats)[0]
+
+
+def nft_times(ns: str, text: str, repeats: int = 3) -> tuple[float, float]:
+    """(wall, CPU of nft) of the fastest of `repeats` runs of `nft -f -` with `text`. The
+    CPU (user + system, the kernel's work in the commit included) is what a loaded machine
+    distorts least."""
+    best = (float("inf"), 0.0)
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), children_cpu()
         proc = subprocess.run(
             netns.exec_argv(ns, ["nft", "-f", "-"]), input=text, text=True, capture_output=True
         )
-        best = min(best, time.perf_counter() - start)
+        best = min(best, (time.perf_counter() - start, children_cpu() - cpu))
         if proc.returncode != 0:
             raise RuntimeError(f"nft failed: {proc.stderr}")
     return best
+
+
+def peak_rss_mb() -> float:
+    """VmHWM of this process (the bench holds the tracker as the daemon does)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def probes(ns: str, repeats: int) -> None:
@@ -127,14 +148,16 @@ def one_size(
         dp = NftablesDataplane(
             workload.facts(), opts, netns=ns, fast=True, keep_last_write=True, layout=layout
         )
-        start = time.perf_counter()
-        dp.sync(t.snapshot(), full=True)
+        snapshot = t.snapshot()
+        start, cpu, rss = time.perf_counter(), time.process_time(), peak_rss_mb()
+        dp.sync(snapshot, full=True)
         steps = len(dp.backend.last_steps)  # type: ignore[attr-defined]
         tm = dp.last_timings
         print(
-            f"  full sync, kproxy fast apply: {time.perf_counter() - start:.2f} s "
-            f"({steps} steps; plan {tm['plan']:.2f} s, write {tm['write']:.2f} s, "
-            f"apply {tm['apply']:.2f} s)",
+            f"  full sync, kproxy fast apply: {time.perf_counter() - start:.2f} s, CPU "
+            f"{time.process_time() - cpu:.2f} s ({steps} steps; plan {tm['plan']:.2f} s, "
+            f"write {tm['write']:.2f} s, apply {tm['apply']:.2f} s; peak RSS of this process "
+            f"{rss:.0f} -> {peak_rss_mb():.0f} MB)",
             flush=True,
         )
         if bare:
@@ -142,8 +165,11 @@ def one_size(
             text = dp.last_write.tx.text()
             netns.wait_quiet()
             with netns.fresh() as other:
-                took = nft_time(other, text, repeats=1)
-            print(f"  bare `nft -f` of the same transaction, fresh namespace: {took:.2f} s")
+                took, nft_cpu = nft_times(other, text, repeats=1)
+            print(
+                f"  bare `nft -f` of the same transaction (text form), fresh namespace: "
+                f"{took:.2f} s, CPU {nft_cpu:.2f} s ({text.count(chr(10))} lines)"
+            )
         netns.wait_quiet()
         resyncs(dp, ns, t)
         generation = 0

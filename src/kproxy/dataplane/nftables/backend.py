@@ -11,8 +11,10 @@ Listings are nft's JSON (schema version 1).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
 import subprocess
 from collections.abc import Sequence
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kproxy.dataplane.nftables.netlink import FAMILIES, NetlinkError, NftNetlink, delete_chain
-from kproxy.dataplane.nftables.steps import netlink_ops, op_line, split
+from kproxy.dataplane.nftables.plan import ALL_SERVICE_CONTAINERS, netlink_types
+from kproxy.dataplane.nftables.steps import netlink_ops, split
 from kproxy.dataplane.nftables.transaction import Transaction
 from kproxy.host.commands import Runner, in_netns, parse_version, run_command
 
@@ -31,6 +34,7 @@ NFPROTO_NAMES: Final = {1: "inet", 2: "ip", 3: "arp", 5: "netdev", 7: "bridge", 
 Version = tuple[int, int, int]
 _ERROR_RE: Final = re.compile(r"^(?:/dev/stdin|-):(\d+):[\d-]+: Error: (.*)$", re.MULTILINE)
 _NOT_FOUND: Final = ("No such file or directory",)
+LINE_SHOWN_MAX: Final = 1000
 
 
 class NftError(Exception):
@@ -65,7 +69,10 @@ class NftError(Exception):
             self.line_number = netlink_line + 1
             self.line_text = input_data.splitlines()[netlink_line]
             self.reason = message.rsplit(": ", 1)[-1]
-            message = f"{message} (rejected: {self.line_text!r})"
+            shown = self.line_text
+            if len(shown) > LINE_SHOWN_MAX:  # a netlink message carries up to 256 elements
+                shown = shown[:LINE_SHOWN_MAX] + " ..."
+            message = f"{message} (rejected: {shown!r})"
         elif self.line_number is not None:
             where = f"line {self.line_number}"
             if self.line_text is not None:
@@ -193,12 +200,12 @@ class NftBackend:
                 self._netlink.run([m for m, _ in messages])
                 self.commits += bool(messages)
             except (NetlinkError, OSError) as err:
-                lines = [op_line(tx, op) for op in step.ops]
+                # One line per message: the error names the message the kernel refused.
                 index = getattr(err, "index", None)
                 raise NftError(
                     f"{where}: {err}",
-                    input_data="".join(line + "\n" for line in lines),
-                    netlink_line=None if index is None else messages[index][1],
+                    input_data="".join(text + "\n" for _, text in messages),
+                    netlink_line=index,
                 ) from err
 
     def delete_chains(self, family: str, table: str, chains: list[str]) -> None:
@@ -291,6 +298,15 @@ class NftBackend:
             log.debug("netlink table lookup failed (%s); asking nft", err)
         return TableRef(family, name) in self.tables()
 
+    def _family_netlink(self, family: str) -> NftNetlink | None:
+        """The netlink client, when it speaks `family` and this backend runs the real
+        tools (else callers ask nft)."""
+        if self._runner is not run_command:
+            return None
+        if self._netlink is None:
+            self._netlink = NftNetlink(self.netns, family=family)
+        return self._netlink if self._netlink.family == FAMILIES.get(family) else None
+
     def chains_with_rules(self, family: str, table: str) -> set[str] | None:
         """The chains of a table that hold a rule, or None when that cannot be read (or
         this backend's runner stands for the tools)."""
@@ -307,7 +323,14 @@ class NftBackend:
             return None
 
     def chains(self, family: str, table: str) -> list[str]:
-        """Names of the chains of one table (`nft -j list chains FAMILY`)."""
+        """Names of the chains of one table: one netlink dump (nft 1.0.6 `list chains`
+        first fetches every set element of the family), `nft -j list chains` if that fails."""
+        try:
+            client = self._family_netlink(family)
+            if client is not None:
+                return client.chains_by_table().get(table, [])
+        except (NetlinkError, OSError) as err:
+            log.debug("netlink chain listing failed (%s); asking nft", err)
         return [
             c["chain"]["name"]
             for c in self.list_json("chains", family)
@@ -315,7 +338,14 @@ class NftBackend:
         ]
 
     def sets(self, family: str, table: str) -> list[str]:
-        """Names of the named sets of one table (definitions only, no elements)."""
+        """Names of the named sets of one table (definitions only, no elements): one
+        netlink dump, `nft -j list sets` if that fails."""
+        try:
+            client = self._family_netlink(family)
+            if client is not None:
+                return client.sets_by_table().get(table, [])
+        except (NetlinkError, OSError) as err:
+            log.debug("netlink set listing failed (%s); asking nft", err)
         return [
             s["set"]["name"]
             for s in self.list_json("sets", family)
@@ -327,7 +357,28 @@ class NftBackend:
     ) -> list[tuple[str, str, str | None]]:
         """(key, value, comment) of every element of a set or map, in nft's text form
         ("172.30.0.41 . tcp . 80", "goto service-...", "10.1.0.1 . 8080"); value "" for
-        sets."""
+        sets. The containers kproxy writes are read over netlink (one dump; `nft -j list`
+        of 200,000 elements takes seconds), others with nft."""
+        if name in ALL_SERVICE_CONTAINERS:
+            try:
+                client = self._family_netlink(family)
+                if client is not None:
+                    return client.elements(table, name, *netlink_types(name))
+            except NetlinkError as err:
+                if err.errno == errno.ENOENT:
+                    raise NftError(
+                        f"listing {kind} {family} {table} {name}: {err}",
+                        stderr=os.strerror(errno.ENOENT),
+                    ) from err
+                log.debug("netlink element listing failed (%s); asking nft", err)
+            except (OSError, ValueError, KeyError) as err:
+                log.debug("netlink element listing failed (%s); asking nft", err)
+        return self.nft_elements(kind, family, table, name)
+
+    def nft_elements(
+        self, kind: str, family: str, table: str, name: str
+    ) -> list[tuple[str, str, str | None]]:
+        """elements() as `nft -j list` shows them."""
         items = self.list_json(kind, family, table, name)
         out: list[tuple[str, str, str | None]] = []
         for item in items:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.nftables import names as n
@@ -173,9 +174,9 @@ ALL_SERVICE_CONTAINERS = frozenset(COMPACT_SERVICE_CONTAINERS)
 REJECT_CHAIN_COMMENT = "helper for @no-endpoint-services / @no-endpoint-nodeports"
 
 
-@dataclass(frozen=True, slots=True)
-class Element:
-    """One element of a set (value "") or verdict map, in nft's own text form."""
+class Element(NamedTuple):
+    """One element of a set (value "") or verdict map, in nft's own text form. A tuple: a
+    full sync handles hundreds of thousands of them."""
 
     container: str
     key: str  # "172.30.0.41 . tcp . 80"
@@ -238,7 +239,9 @@ class TableSetup:
     service_containers: tuple[str, ...] = SERVICE_CONTAINERS
     # Containers created right after the table (setup rules refer to them).
     early_containers: tuple[str, ...] = ()
-    # Partial syncs send new elements over netlink too (transaction.Transaction.netlink_adds).
+    # Service elements go to the kernel over netlink, all of a sync's changes in one batch
+    # (Transaction.netlink_adds); a full sync adds them in plan order as bulk ops and
+    # refills the containers rather than diffing them against a listing.
     netlink_element_adds: bool = False
 
     @property

@@ -17,9 +17,11 @@ transaction would have created; only the grouping into transactions differs:
 1. nft: the table setup (full syncs), then the service ports' chains and rules, then new
    map/set elements -- split into pieces of at most `chunk_ops` operations at service port
    boundaries (a big single transaction makes the kernel's anonymous-set binding quadratic);
-2. netlink, one atomic batch: element deletes and value changes;
+2. netlink, one atomic batch: element deletes and value changes; in the compact layout
+   (Transaction.netlink_adds) also container flushes and every new element, so a full
+   sync's hundreds of thousands of elements are one batch and no nft parses them;
 3. nft: flushes of chains that went stale (after nothing points at them any more);
-   netlink where new elements go over netlink too (the compact layout's partial syncs);
+   netlink where new elements go over netlink too (the compact layout);
 4. netlink: deletes of stale affinity sets (after the chains using them were flushed).
 
 Every step is atomic and leaves a consistent table: chains exist before elements point at
@@ -36,10 +38,17 @@ from kproxy.dataplane.nftables import netlink as nl
 from kproxy.dataplane.nftables.plan import (
     ALL_SERVICE_CONTAINERS,
     CONTAINERS,
+    Element,
     netlink_types,
     type_clause,
 )
-from kproxy.dataplane.nftables.transaction import Transaction, TxOp, quote
+from kproxy.dataplane.nftables.transaction import (
+    Transaction,
+    TxOp,
+    element_statements,
+    element_text,
+    quote,
+)
 
 CHUNK_OPS = 20_000
 # Elements per netlink message: the element list is one attribute, whose length is 16 bits.
@@ -81,11 +90,7 @@ def render_inline(tx: Transaction, ops: list[TxOp]) -> str:
                 and ops[i].verb == "add"
                 and ops[i].name == op.name
             ):
-                el = ops[i].element
-                assert el is not None
-                comment = f" comment {quote(el.comment)}" if el.comment is not None else ""
-                value = f" : {el.value}" if el.value else ""
-                items.append(f"{el.key}{comment}{value}")
+                items += map(element_text, _elements(ops[i]))
                 i += 1
             kind, type_, comment = CONTAINERS[op.name]
             head = f"add {kind} {where} {op.name} {{ {type_clause(type_)} ;"
@@ -96,14 +101,23 @@ def render_inline(tx: Transaction, ops: list[TxOp]) -> str:
     return "".join(line + "\n" for line in out)
 
 
+def _elements(op: TxOp) -> tuple[Element, ...]:
+    """The elements an element op carries (one, or a bulk add's many)."""
+    if op.elements:
+        return op.elements
+    assert op.element is not None
+    return (op.element,)
+
+
 def op_line(tx: Transaction, op: TxOp) -> str:
-    """The upstream-form line of one op (for error messages)."""
+    """The upstream-form text of one op (for error messages); a bulk add's is its grouped
+    statements, one per line."""
     if op.kind == "element" and op.verb == "add":
+        if op.elements:
+            return "\n".join(element_statements(tx.where, op.name, op.elements))
         el = op.element
         assert el is not None
-        comment = f" comment {quote(el.comment)}" if el.comment is not None else ""
-        value = f" : {el.value}" if el.value else ""
-        return f"add element {tx.where} {op.name} {{ {el.key}{comment}{value} }}"
+        return f"add element {tx.where} {op.name} {{ {element_text(el)} }}"
     if op.kind == "rule":
         return f"add rule {tx.where} {op.name} {op.body}"
     return _line(tx.where, op)
@@ -119,44 +133,49 @@ def _line(where: str, op: TxOp) -> str:
     return f"{op.verb} {op.kind} {where} {op.name}{body}"
 
 
-def netlink_ops(tx: Transaction, ops: list[TxOp]) -> list[tuple[nl.Op, int]]:
-    """Netlink messages for deletes and element adds (grouped per container, in order),
-    each with the index of the first op it carries."""
-    out: list[tuple[nl.Op, int]] = []
+def netlink_ops(tx: Transaction, ops: list[TxOp]) -> list[tuple[nl.Op, str]]:
+    """Netlink messages for deletes, flushes and element adds (elements grouped per
+    container, in order), each with the nft text of what it carries (for errors)."""
+    out: list[tuple[nl.Op, str]] = []
+    where = tx.where
     i = 0
     while i < len(ops):
         op = ops[i]
-        first = i
         if op.kind == "element":
-            group = []
+            group: list[Element] = []
             while (
                 i < len(ops)
                 and ops[i].kind == "element"
                 and ops[i].verb == op.verb
                 and ops[i].name == op.name
-                and len(group) < NETLINK_ELEMENTS_MAX
             ):
-                el = ops[i].element
-                assert el is not None
-                group.append((el.key, el.value, el.comment))
+                group += _elements(ops[i])
                 i += 1
             key_type, data_type = netlink_types(op.name)
-            message = nl.set_elements(
-                tx.table,
-                op.name,
-                key_type,
-                group,
-                delete=op.verb == "delete",
-                data_type=data_type,
-            )
-            out.append((message, first))
+            delete = op.verb == "delete"
+            for start in range(0, len(group), NETLINK_ELEMENTS_MAX):
+                part = group[start : start + NETLINK_ELEMENTS_MAX]
+                message = nl.set_elements(
+                    tx.table,
+                    op.name,
+                    key_type,
+                    [(el.key, el.value, el.comment) for el in part],
+                    delete=delete,
+                    data_type=data_type,
+                )
+                items = [el.key for el in part] if delete else map(element_text, part)
+                out.append(
+                    (message, f"{op.verb} element {where} {op.name} {{ {', '.join(items)} }}")
+                )
             continue
         if op.verb == "delete" and op.kind == "chain":
-            out.append((nl.delete_chain(tx.table, op.name), first))
+            out.append((nl.delete_chain(tx.table, op.name), _line(where, op)))
         elif op.verb == "flush" and op.kind == "chain":
-            out.append((nl.flush_chain(tx.table, op.name), first))
+            out.append((nl.flush_chain(tx.table, op.name), _line(where, op)))
         elif op.verb == "delete" and op.kind in ("set", "map"):
-            out.append((nl.delete_set(tx.table, op.name), first))
+            out.append((nl.delete_set(tx.table, op.name), _line(where, op)))
+        elif op.verb == "flush" and op.kind in ("set", "map"):
+            out.append((nl.flush_set(tx.table, op.name), _line(where, op)))
         else:
             raise ValueError(f"no netlink form for {op}")
         i += 1
@@ -188,10 +207,9 @@ def split(tx: Transaction, *, chunk_ops: int = CHUNK_OPS) -> list[Step]:
             "map",
         )
         if op.kind == "element" and service_container:
-            assert op.element is not None
             if op.verb == "delete":
                 changes_delete.append(op)
-            elif (op.name, op.element.key) in changed_keys:
+            elif op.element is not None and (op.name, op.element.key) in changed_keys:
                 changes_add.append(op)
             else:
                 elements.append(op)
@@ -220,8 +238,11 @@ def split(tx: Transaction, *, chunk_ops: int = CHUNK_OPS) -> list[Step]:
         pending += block
     if pending:
         steps.append(Step("nft", "service chains", pending))
-    if tx.netlink_adds and all(op.kind == "element" for op in elements):
-        changes_add += elements
+    if tx.netlink_adds:
+        # One batch: deletes, then flushes (containers refilled), then every add.
+        flushes = [op for op in elements if op.verb == "flush"]
+        changes_delete += flushes
+        changes_add += [op for op in elements if op.verb != "flush"]
         elements = []
     for i in range(0, len(elements), chunk_ops):
         steps.append(Step("nft", "map elements", elements[i : i + chunk_ops]))

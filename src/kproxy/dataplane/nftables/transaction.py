@@ -8,7 +8,9 @@ transaction of one sync, the way upstream's syncProxyRules does:
   base chain so that a changed priority or hook can be applied; add+flush base and
   top-level chains with their rules; sets and maps), then every service's chains;
 * partial sync: only the chains of service ports whose plan changed (add + flush + rules);
-* both: map/set elements are diffed against the mirror (a changed value is delete + add),
+* both: map/set elements are diffed against the mirror (a changed value is delete + add;
+  a full sync onto an empty mirror, a new table, writes every element without a diff, in
+  the compact layout as one bulk op per container, see add_elements),
   chains no longer used are flushed at once and remembered as stale (deleted >= 1 s later,
   in a transaction of their own, see stale_chain_deletions), affinity sets no longer used
   are deleted at once.
@@ -38,11 +40,31 @@ from kproxy.model.objects import ServicePortName
 # Seconds a flushed stale chain is kept before it is deleted (upstream: kernels before 6.2
 # notice a dropped vmap reference to a chain only a little later).
 STALE_CHAIN_DELAY = 1.0
+# Elements per `add element` statement in the text of add_elements: nft parses a grouped
+# statement much faster than one statement per element.
+ELEMENTS_PER_STATEMENT = 1000
 
 
 def quote(text: str) -> str:
     """Go's %q for the ASCII comments kube-proxy writes."""
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def element_text(el: Element) -> str:
+    """An element as nft writes it inside `{ }`: key, comment, value."""
+    comment = f" comment {quote(el.comment)}" if el.comment is not None else ""
+    return f"{el.key}{comment} : {el.value}" if el.value else f"{el.key}{comment}"
+
+
+def element_statements(where: str, container: str, elements: tuple[Element, ...]) -> list[str]:
+    """`add element` statements of up to ELEMENTS_PER_STATEMENT elements each."""
+    step = ELEMENTS_PER_STATEMENT
+    return [
+        f"add element {where} {container} {{ "
+        + ", ".join(map(element_text, elements[i : i + step]))
+        + " }"
+        for i in range(0, len(elements), step)
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +78,8 @@ class TxOp:
     element: Element | None = None
     stale: bool = False  # a flush of a chain that went stale
     base: bool = False  # a base chain definition
+    # Adds of many elements to one set/map as one op (add_elements); element is None then.
+    elements: tuple[Element, ...] = ()
 
 
 class Transaction:
@@ -65,23 +89,40 @@ class Transaction:
         self.family = family
         self.table = table
         self.where = f"{family} {table}"
-        self.lines: list[str] = []
+        # Lines, or bulk element ops whose text is made only when someone asks (lines).
+        self._lines: list[str | TxOp] = []
+        self._pending = False
         self.ops: list[TxOp] = []
         # Indexes into ops where a new service port's objects start.
         self.marks: list[int] = []
-        # Whether new elements may go to the kernel over netlink with the element changes
-        # (steps.split): the compact layout's partial syncs, which then need no nft at all.
+        # Whether new elements (and container flushes) go to the kernel over netlink with the
+        # element changes (steps.split): the compact layout's, whose partial syncs then need
+        # no nft at all and whose full syncs change elements in one batch.
         self.netlink_adds = False
 
     def __len__(self) -> int:
         return len(self.lines)
+
+    @property
+    def lines(self) -> list[str]:
+        """The transaction as `nft -f` lines, one command each."""
+        if self._pending:
+            out: list[str] = []
+            for item in self._lines:
+                if isinstance(item, str):
+                    out.append(item)
+                else:
+                    out += element_statements(self.where, item.name, item.elements)
+            self._lines = list(out)
+            self._pending = False
+        return self._lines  # type: ignore[return-value]
 
     def text(self) -> str:
         return "".join(line + "\n" for line in self.lines)
 
     def _op(self, op: TxOp, line: str) -> None:
         self.ops.append(op)
-        self.lines.append(line)
+        self._lines.append(line)
 
     def mark(self) -> None:
         """Note that the objects of another service port follow (a place to split)."""
@@ -154,12 +195,19 @@ class Transaction:
         self._op(TxOp("delete", kind, name), f"delete {kind} {self.where} {name}")
 
     def add_element(self, el: Element) -> None:
-        comment = f" comment {quote(el.comment)}" if el.comment is not None else ""
-        value = f" : {el.value}" if el.value else ""
         self._op(
             TxOp("add", "element", el.container, element=el),
-            f"add element {self.where} {el.container} {{ {el.key}{comment}{value} }}",
+            f"add element {self.where} {el.container} {{ {element_text(el)} }}",
         )
+
+    def add_elements(self, container: str, elements: tuple[Element, ...]) -> None:
+        """Add many elements to one set/map: one op, written as grouped `add element`
+        statements (element_statements) when the text is asked for."""
+        if elements:
+            op = TxOp("add", "element", container, elements=elements)
+            self.ops.append(op)
+            self._lines.append(op)
+            self._pending = True
 
     def delete_element(self, container: str, key: str) -> None:
         self._op(
@@ -184,8 +232,10 @@ class TableState:
     shared: dict[str, Chain] = field(default_factory=dict)
     # The blocks last written, per service port (partial syncs compare against these).
     blocks: dict[ServicePortName, ServiceBlock] = field(default_factory=dict)
-    # (container, key) -> service ports claiming it (to resolve a key two ports share).
-    owners: dict[tuple[str, str], set[ServicePortName]] = field(default_factory=dict)
+    # container -> key -> the service port whose element the kernel holds (of the ports
+    # claiming a key, the last by name), and for keys two or more ports claim, all of them.
+    owner: dict[str, dict[str, ServicePortName]] = field(default_factory=dict)
+    claimants: dict[tuple[str, str], set[ServicePortName]] = field(default_factory=dict)
 
 
 @dataclass
@@ -207,8 +257,14 @@ class SyncWrite:
     affinity_sets_gone: set[str] = field(default_factory=set)
     stale: dict[str, float] = field(default_factory=dict)
     stale_revived: set[str] = field(default_factory=set)
+    # Partial syncs: the changed keys (None: gone), their owner and claimants (None: fewer
+    # than two). Full syncs: the whole element mirror, owners and claimants.
     elements: dict[tuple[str, str], Element | None] = field(default_factory=dict)
-    owners: dict[tuple[str, str], set[ServicePortName]] = field(default_factory=dict)
+    owner: dict[tuple[str, str], ServicePortName | None] = field(default_factory=dict)
+    claimants: dict[tuple[str, str], set[ServicePortName] | None] = field(default_factory=dict)
+    all_elements: dict[str, dict[str, Element]] = field(default_factory=dict)
+    all_owners: dict[str, dict[str, ServicePortName]] = field(default_factory=dict)
+    all_claimants: dict[tuple[str, str], set[ServicePortName]] = field(default_factory=dict)
     shared: dict[str, Chain] = field(default_factory=dict)
 
     def commit(self, state: TableState) -> TableState:
@@ -218,7 +274,9 @@ class SyncWrite:
             state.affinity_sets = set(self.affinity_sets)
             state.stale = dict(self.stale)
             state.elements = {c: {} for c in COMPACT_SERVICE_CONTAINERS}
-            state.owners = {}
+            state.elements.update(self.all_elements)
+            state.owner = dict(self.all_owners)
+            state.claimants = dict(self.all_claimants)
         else:
             state.chains |= self.chains
             state.affinity_sets -= self.affinity_sets_gone
@@ -231,11 +289,16 @@ class SyncWrite:
                 state.elements[container].pop(key, None)
             else:
                 state.elements[container][key] = el
-        for key, owners in self.owners.items():
-            if owners:
-                state.owners[key] = owners
+        for (container, key), name in self.owner.items():
+            if name is None:
+                state.owner.get(container, {}).pop(key, None)
             else:
-                state.owners.pop(key, None)
+                state.owner.setdefault(container, {})[key] = name
+        for ck, names in self.claimants.items():
+            if names:
+                state.claimants[ck] = names
+            else:
+                state.claimants.pop(ck, None)
         state.blocks = self.blocks
         state.shared = self.shared
         return state
@@ -363,7 +426,7 @@ def write_sync(
             for rule in chain.rules:
                 tx.add_rule(name, rule)
             out.rules_written += len(chain.rules)
-    tx.netlink_adds = not full and plan.setup.netlink_element_adds
+    tx.netlink_adds = plan.setup.netlink_element_adds
 
     changed: list[ServicePortName] = []
     skip = skip_endpoint_chains or set()
@@ -432,44 +495,42 @@ def _write_elements(
 ) -> None:
     """Element adds and deletes for the keys the changed service ports touch (all keys on a
     full sync). A key claimed by two ports takes the element of the later port by name."""
-    owners = out.owners
     if out.full:
-        for name, block in plan.blocks.items():
+        _write_all_elements(out, plan, state)
+        return
+    claims: dict[tuple[str, str], set[ServicePortName]] = {}
+
+    def claimed(key: tuple[str, str]) -> set[ServicePortName]:
+        got = claims.get(key)
+        if got is None:
+            if key in state.claimants:
+                got = set(state.claimants[key])
+            else:
+                holder = state.owner.get(key[0], {}).get(key[1])
+                got = {holder} if holder is not None else set()
+            claims[key] = got
+        return got
+
+    for name in changed:
+        if (old := state.blocks.get(name)) is not None:
+            for el in old.elements:
+                claimed((el.container, el.key)).discard(name)
+        if (block := plan.blocks.get(name)) is not None:
             for el in block.elements:
-                owners.setdefault((el.container, el.key), set()).add(name)
-        affected = set(owners) | {(c, k) for c, els in state.elements.items() for k in els}
-    else:
-        affected = set()
-
-        def claims(key: tuple[str, str]) -> set[ServicePortName]:
-            if key not in owners:
-                owners[key] = set(state.owners.get(key, ()))
-            return owners[key]
-
-        for name in changed:
-            if (old := state.blocks.get(name)) is not None:
-                for el in old.elements:
-                    key = (el.container, el.key)
-                    affected.add(key)
-                    claims(key).discard(name)
-            if (block := plan.blocks.get(name)) is not None:
-                for el in block.elements:
-                    key = (el.container, el.key)
-                    affected.add(key)
-                    claims(key).add(name)
+                claimed((el.container, el.key)).add(name)
     adds: list[Element] = []
     deletes: list[tuple[str, str]] = []
-    for key in sorted(affected):
+    for key in sorted(claims):
         container, k = key
-        claimed = owners.get(key) if key in owners else state.owners.get(key)
+        names = claims[key]
         want = None
-        if claimed:
-            winner = plan.blocks[max(claimed)]
-            want = next(el for el in winner.elements if (el.container, el.key) == key)
+        winner = max(names) if names else None
+        if winner is not None:
+            want = next(el for el in plan.blocks[winner].elements if (el.container, el.key) == key)
+        out.owner[key] = winner
+        out.claimants[key] = names if len(names) > 1 else None
         have = state.elements.get(container, {}).get(k)
         if want == have:
-            if out.full and want is not None:
-                out.elements[key] = want
             continue
         if have is not None:
             deletes.append(key)
@@ -480,6 +541,59 @@ def _write_elements(
         out.tx.delete_element(container, k)
     for el in adds:
         out.tx.add_element(el)
+
+
+def _write_all_elements(out: SyncWrite, plan: NftablesPlan, state: TableState) -> None:
+    """A full sync's elements: every claimed key gets its winner's element, the mirror's
+    other keys go. One pass over the blocks in name order (a later claimant overwrites);
+    nothing is diffed where the mirror is empty (a new table, or containers refilled)."""
+    containers = sorted(plan.setup.service_containers)
+    want: dict[str, dict[str, Element]] = {c: {} for c in containers}
+    owner: dict[str, dict[str, ServicePortName]] = {c: {} for c in containers}
+    claimants = out.all_claimants
+    blocks = plan.blocks
+    for name in sorted(blocks):
+        for el in blocks[name].elements:
+            container, key = el[0], el[1]
+            holders = owner[container]
+            holder = holders.get(key)
+            if holder is not None:
+                if holder == name:
+                    continue  # a port's first element of a key is the one it means
+                claimants.setdefault((container, key), {holder}).add(name)
+            want[container][key] = el
+            holders[key] = name
+    out.all_elements = want
+    out.all_owners = owner
+    bulk = plan.setup.netlink_element_adds
+    adds: list[tuple[str, list[Element]]] = []
+    deletes: list[tuple[str, list[str]]] = []
+    for container in sorted(set(containers) | {c for c, els in state.elements.items() if els}):
+        wanted = want.get(container, {})
+        have = state.elements.get(container)
+        if not have:
+            new = list(wanted.values())
+        else:
+            new = [el for key, el in wanted.items() if have.get(key) != el]
+            gone = [key for key, el in have.items() if wanted.get(key) != el]
+            if gone:
+                deletes.append((container, gone if bulk else sorted(gone)))
+        if new:
+            adds.append((container, new if bulk else sorted(new, key=_element_key)))
+    tx = out.tx
+    for container, keys in deletes:
+        for key in keys:
+            tx.delete_element(container, key)
+    for container, els in adds:
+        if bulk:
+            tx.add_elements(container, tuple(els))
+        else:
+            for el in els:
+                tx.add_element(el)
+
+
+def _element_key(el: Element) -> str:
+    return el.key
 
 
 def stale_chain_deletions(
