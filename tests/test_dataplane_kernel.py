@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from kproxy.lab.agent import ProbeResult
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from tests.support.dataplane_env import (
-    CONFIG,
     LIVE_DEADLINE,
     POD_IPS,
     WEB_PORTS,
@@ -52,7 +51,7 @@ def env(request: pytest.FixtureRequest, lab: Lab, tmp_path: Path) -> Iterator[En
     source.mkdir()
     write(source / "node.yaml", node())
     config = tmp_path / "config.yaml"
-    config.write_text(CONFIG.format(mode=mode))
+    config.write_text(proxy_config(mode))
     proxy = ProxyProcess(
         lab,
         source,
@@ -352,7 +351,7 @@ def test_kill_9_keeps_traffic_and_restart_fails_no_request(env: Env) -> None:
 
 
 def test_rules_flushed_by_someone_else_come_back(env: Env) -> None:
-    env.config.write_text(CONFIG.format(mode=env.mode).replace("syncPeriod: 30s", "syncPeriod: 1s"))
+    env.config.write_text(proxy_config(env.mode, sync_period="1s"))
     web(env)
     env.proxy.start()
     client = env.client()
