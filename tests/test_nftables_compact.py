@@ -197,3 +197,22 @@ def test_a_shared_chain_goes_stale_with_its_last_user() -> None:
     write = write_sync(planner.plan(t.snapshot()), state, full=False, now=5.5)
     assert "add rule ip kproxy-compact dnat/internal/2 meta l4proto tcp dnat to" in write.tx.text()
     assert write.commit(state).stale == {}
+
+
+@pytest.mark.parametrize("proto", ["UDP", "SCTP"])
+def test_each_protocols_endpoints_go_to_its_own_map(proto: str) -> None:
+    spec = [port("p", 53, 8053, protocol=proto, nodePort=30053)]
+    svc = service("dns", "10.96.0.53", spec, type="NodePort")
+    slice_ = endpoint_slice("dns", [endpoint("10.244.0.1")], [port("p", 8053, protocol=proto)])
+    plan = plan_of([svc, slice_])
+    p = proto.lower()
+    maps = {c: elements(plan, c) for c in names.ENDPOINT_MAPS}
+    assert {c for c, els in maps.items() if els} == {
+        f"service-endpoints-{p}",
+        f"nodeport-endpoints-{p}",
+    }
+    assert maps[f"service-endpoints-{p}"] == {f"10.96.0.53 . {p} . 53 . 0": "10.244.0.1 . 8053"}
+    assert maps[f"nodeport-endpoints-{p}"] == {f"{p} . 30053 . 0": "10.244.0.1 . 8053"}
+    # Every shared chain has this protocol's pick, on its map.
+    for chain in plan.shared.values():
+        assert any(r.startswith(f"meta l4proto {p} dnat") for r in chain.rules), chain
