@@ -257,13 +257,7 @@ def test_add_change_delete_are_live_within_two_seconds(env: Env) -> None:
     )
 
 
-def test_udp_flow_moves_off_a_removed_endpoint(env: Env, request: pytest.FixtureRequest) -> None:
-    if env.plane == "nftables-compact":
-        # A known bug of the compact layout: a shared chain's `dnat to … map` gets an implicit
-        # `meta l4proto tcp` from nft (the map's value is typed `tcp dport`), so a UDP-only
-        # service is never DNATed. Strict: this fails once the layout is fixed.
-        reason = "compact layout: nft adds `meta l4proto tcp` to the shared chains' DNAT"
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+def test_udp_flow_moves_off_a_removed_endpoint(env: Env) -> None:
     write(
         env.source / "dns.yaml",
         service("dns", "10.96.0.53", [port("dns", 53, 8080, protocol="UDP")]),
