@@ -90,11 +90,18 @@ class LineSocket:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = b""
+        self._recv: asyncio.Task[bytes] | None = None
 
     async def readline(self) -> bytes:
         loop = asyncio.get_running_loop()
         while b"\n" not in self.buf:
-            chunk = await loop.sock_recv(self.sock, MAX_LINE)
+            if self._recv is None:
+                self._recv = loop.create_task(loop.sock_recv(self.sock, MAX_LINE))
+            # A timeout cancels this wait, never the receive: a cancelled sock_recv can drop
+            # bytes it already took from the socket (the answer arrived as the timeout fired),
+            # which would leave a stream one answer short forever. The next call takes them.
+            chunk = await asyncio.shield(self._recv)
+            self._recv = None
             if not chunk:
                 line, self.buf = self.buf, b""
                 return line
@@ -103,6 +110,13 @@ class LineSocket:
                 raise ValueError("reply line too long")
         line, _, self.buf = self.buf.partition(b"\n")
         return line + b"\n"
+
+    def close(self) -> None:
+        """Stop a receive still pending, then close the socket."""
+        if self._recv is not None:
+            self._recv.cancel()
+            self._recv = None
+        self.sock.close()
 
 
 def _new_socket(proto: str, sport: int | None) -> socket.socket:
@@ -124,6 +138,7 @@ async def request(
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
     local_port: int | None = None
+    lines: LineSocket | None = None
     try:
         sock = _new_socket(proto, sport)
     except OSError as exc:
@@ -147,14 +162,18 @@ async def request(
             if proto == "udp":
                 line = await loop.sock_recv(sock, MAX_LINE)
             else:
-                line = await LineSocket(sock).readline()
+                lines = LineSocket(sock)
+                line = await lines.readline()
         if not line:
             return result(False, started, error="closed", local_port=local_port)
         return parse_reply(line, started, local_port)
     except (OSError, ValueError) as exc:
         return result(False, started, error=classify_error(exc), local_port=local_port)
     finally:
-        sock.close()
+        if lines is not None:
+            lines.close()
+        else:
+            sock.close()
 
 
 async def request_many(
@@ -243,7 +262,7 @@ class Agent:
     def close_stream(self, stream: str) -> dict[str, Any]:
         st = self.streams.pop(stream, None)
         if st is not None:
-            st.sock.close()
+            st.lines.close()
         return {}
 
     def close_all(self) -> None:
