@@ -1,6 +1,6 @@
 """Faults at every step of a sync and of a mode switch, with traffic flowing.
 
-Each external tool (iptables-restore, nft) fails, hangs past the tool timeout, is killed,
+Each external tool (iptables-restore, nft, conntrack) fails, hangs past the tool timeout, is killed,
 or is killed after its commit; kproxy's netlink batches fail or hang; the state dir turns
 read-only or full; kproxy itself is killed -9 in the middle of syncs and switches. Every
 time: the service nobody changes keeps answering (0 failed requests), the fault shows in
@@ -18,7 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from kproxy.lab.fault_matrix import FaultRig, Outcome, switch_faults, sync_faults
+from kproxy.lab.fault_matrix import (
+    FaultRig,
+    Outcome,
+    conntrack_faults,
+    switch_faults,
+    sync_faults,
+    wait_for,
+)
 from kproxy.lab.topology import Lab
 from tests.support.lab import LAB_SKIP_REASON, LAB_SUPPORTED
 
@@ -39,6 +46,7 @@ def check(outcomes: list[Outcome], rig: FaultRig) -> None:
     assert not bad, "\n".join(map(str, bad)) + "\n" + rig.proxy.log_tail(30)
     result = rig.stop()
     assert result is not None and result.fresh_sent > 100, result
+    assert not rig.udp or result.udp_sent > 50, result
     assert result.failures == 0 and result.streams_dropped == 0, result.summary()
 
 
@@ -53,6 +61,29 @@ def test_sync_faults_keep_the_last_good_rules_and_recover(
         # A failed apply is a failed sync (healthz 503 after 2 x syncPeriod); a failed
         # cleanup is not (the sync went on, as upstream's).
         assert all(o.healthz_503 for o in outcomes if o.step == "sync: apply")
+        check(outcomes, rig)
+    finally:
+        rig.stop()
+
+
+def test_conntrack_faults_leave_the_sync_going_and_clean_up_later(
+    lab4: Lab, tmp_path: Path
+) -> None:
+    """UDP load on "web"; "moving" loses its UDP endpoint while the conntrack tool fails,
+    hangs past the tool timeout or is killed: the rules follow, the stale flow stays on
+    the old endpoint until the fault is gone, and then is moved without another change."""
+    rig = FaultRig(lab4, tmp_path, "iptables", udp=True).start()
+    try:
+        outcomes = [rig.conntrack_case(fault, inject) for fault, inject in conntrack_faults()]
+        assert rig.faults.hits("conntrack") >= len(outcomes), "a fault was never reached"
+        for o in outcomes:
+            # Not a failed sync: /healthz stays 200, and the stale flow was not deleted.
+            assert o.notes.startswith("healthz 200; during the fault the UDP flow went to pod"), o
+            old = o.notes.split("(was ", 1)[1].split(")", 1)[0]
+            assert f"went to {old} " in o.notes, o
+        # The fault gone, the next removal of a UDP endpoint cleans its flows at once.
+        rig.move()
+        wait_for(rig.converged, 30, "the next removal's flow moved")
         check(outcomes, rig)
     finally:
         rig.stop()

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kproxy.dataplane.base import SyncError
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.ipvs import hold as ipvs_hold
 from kproxy.dataplane.ipvs import names as n
@@ -166,6 +167,28 @@ def test_draining_endpoint_that_returns_gets_weight_one(parts: Any) -> None:
     dp.sync(snap(), full=False)
     assert whats(ipvs) == [f"set weight 1 of real server 10.244.0.4:8080 of {KEY}"]
     assert not dp.draining and ipvs.dests_[KEY][(PODS[2], 8080)].weight == 1
+
+
+def test_failed_batch_leaves_no_drain_the_kernel_never_saw(parts: Any) -> None:
+    """A draining endpoint returns and another goes in a batch that fails: the retry must
+    still give the returning one weight 1 (it once stayed at weight 0 for good)."""
+    ipvs, *_ = parts
+    dp = make(parts)
+    dp.sync(snap(), full=True)
+    ipvs.add_dest(KEY, PODS[2], 8080, weight=1, active=3)
+    ipvs.add_dest(KEY, PODS[1], 8080, weight=1, active=3)
+    dp.sync(snap(*objects(pods=PODS[:2])), full=False)
+    assert list(dp.draining) == [(KEY, (PODS[2], 8080))]
+    flipped = snap(*objects(pods=(PODS[0], PODS[2])))
+    ipvs.batch_error = OSError(errno.EIO, "batch refused")
+    with pytest.raises(SyncError):
+        dp.sync(flipped, full=False)
+    assert list(dp.draining) == [(KEY, (PODS[2], 8080))]
+    ipvs.batch_error = None
+    dp.sync(flipped, full=True)
+    assert ipvs.dests_[KEY][(PODS[2], 8080)].weight == 1
+    assert ipvs.dests_[KEY][(PODS[1], 8080)].weight == 0
+    assert list(dp.draining) == [(KEY, (PODS[1], 8080))]
 
 
 def test_udp_real_servers_go_at_once_even_with_connections(parts: Any) -> None:

@@ -93,6 +93,40 @@ def test_first_sync_full_then_partial_on_changes() -> None:
         loop.stop()
 
 
+def test_failed_conntrack_cleanup_is_reported_and_retried_without_a_change() -> None:
+    """The sync goes on (no failed sync); the failure is in the status; the next periodic
+    sync retries the cleanup though no UDP endpoint changed since."""
+    plane = FakeDataplane()
+    calls: list[int] = []
+
+    def cleaner(ips: dict, ports: dict) -> int:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("conntrack -L failed with exit code 1: refused")
+        return 1
+
+    loop = ProxyLoop(
+        ChangeTracker("node1"), plane, min_sync_period=0.0, sync_period=0.2, udp_cleaner=cleaner
+    )
+    loop.start(ListSource(udp_objects(["10.244.0.2", "10.244.0.3"])))
+    try:
+        loop.on_events([event(udp_objects(["10.244.0.2"])[1])])
+        deadline = time.monotonic() + 3
+        while loop.status.conntrack_failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = loop.status
+        assert st.conntrack_failures == 1 and "refused" in (st.conntrack_error or "")
+        assert st.failures == 0 and not loop.pending
+        deadline = time.monotonic() + 3
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) == 3 and loop.status.conntrack_error is None
+        time.sleep(0.5)  # later syncs with nothing changed and nothing owed: no cleanup
+        assert len(calls) == 3
+    finally:
+        loop.stop()
+
+
 def test_failure_keeps_going_and_next_sync_is_full() -> None:
     plane = FakeDataplane()
     loop = make_loop(plane, [])

@@ -202,7 +202,9 @@ def _run_inner(selected: list[str], cancel: threading.Event | None = None) -> In
             "addopts=-ra",
             f"--rootdir={REPO}",
         ]
-        result = guest.run(argv, cwd=REPO, env={REPORT_ENV: str(report)}, cancel=cancel)
+        # The sources under test, not the venv's install (a worktree's own).
+        env = {REPORT_ENV: str(report), "PYTHONPATH": str(REPO / "src")}
+        result = guest.run(argv, cwd=REPO, env=env, cancel=cancel)
         tests, collect_errors = _parse_report(report)
     return InnerRun(result, None, tests, collect_errors)
 

@@ -380,6 +380,8 @@ class Daemon:
             "pending": self.loop.pending,
             "last_result": dataclasses.asdict(st.last_result) if st.last_result else None,
             "conntrack_deleted": st.conntrack_deleted,
+            "conntrack_failures": st.conntrack_failures,
+            "conntrack_error": one_line(st.conntrack_error) if st.conntrack_error else None,
             "leftovers_removed": self.leftovers_removed,
             "previous_mode": self.previous_mode,
             "previous_nftables_layout": self.previous_layout,
@@ -513,7 +515,7 @@ class LeftoverCleaner:
     def failed(self, full: bool) -> None:
         pass
 
-    def conntrack_cleaned(self, deleted: int) -> None:
+    def conntrack_cleaned(self, deleted: int, error: str | None = None) -> None:
         pass
 
 
@@ -532,5 +534,5 @@ class StatusFile:
     def failed(self, full: bool) -> None:
         self.daemon.write_status()
 
-    def conntrack_cleaned(self, deleted: int) -> None:
+    def conntrack_cleaned(self, deleted: int, error: str | None = None) -> None:
         pass

@@ -44,6 +44,8 @@ class SyncStatus:
     last_error: str | None = None
     last_queued: float | None = None
     conntrack_deleted: int = 0
+    conntrack_failures: int = 0
+    conntrack_error: str | None = None  # the last cleanup's, None once one succeeds
     invalid_objects: int = 0
     history: list[tuple[float, bool, float]] = field(default_factory=list)  # (when, full, secs)
 
@@ -62,7 +64,7 @@ class SyncObserver(Interface):
 
     def failed(self, full: bool) -> None: ...
 
-    def conntrack_cleaned(self, deleted: int) -> None: ...
+    def conntrack_cleaned(self, deleted: int, error: str | None = None) -> None: ...
 
 
 class ProxyLoop:
@@ -89,6 +91,7 @@ class ProxyLoop:
         self._distrust = False  # see request_full_sync
         self._applied: Snapshot | None = None
         self._applied_generation = -1
+        self._udp_cleanup_owed = False  # a failed cleanup is retried at the next sync
         self._last_drift_check = time.monotonic()
         self.runner = BoundedFrequencyRunner(
             "sync",
@@ -234,15 +237,27 @@ class ProxyLoop:
         )
 
     def _clean_udp_conntrack(self, previous: Snapshot | None, current: Snapshot) -> None:
-        if self.udp_cleaner is None or not udp_endpoints_changed(previous, current):
+        # Upstream cleans only after a sync that removed UDP endpoints and never retries a
+        # failed cleanup; the stale flows would then stay until the next removal.
+        if self.udp_cleaner is None:
+            return
+        if not (self._udp_cleanup_owed or udp_endpoints_changed(previous, current)):
             return
         service_ips, node_ports = udp_serving_map(current)
+        st = self.status
         try:
             deleted = self.udp_cleaner(service_ips, node_ports)
         except Exception as err:
-            log.warning("stale UDP conntrack cleanup failed: %s", err)
+            log.warning("stale UDP conntrack cleanup failed (retried at the next sync): %s", err)
+            self._udp_cleanup_owed = True
+            st.conntrack_failures += 1
+            st.conntrack_error = str(err)
+            for obs in self.observers:
+                obs.conntrack_cleaned(0, str(err))
             return
-        self.status.conntrack_deleted += deleted
+        self._udp_cleanup_owed = False
+        st.conntrack_deleted += deleted
+        st.conntrack_error = None
         for obs in self.observers:
             obs.conntrack_cleaned(deleted)
         if deleted:

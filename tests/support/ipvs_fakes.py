@@ -44,6 +44,7 @@ class FakeIpvs:
     sent: list[Request] = field(default_factory=list)
     refuse: dict[str, int] = field(default_factory=dict)  # request.what prefix -> errno
     timeouts_set: tuple[int, int, int] | None = None
+    batch_error: OSError | None = None  # apply() raises it, sending nothing (a failed batch)
 
     def close(self) -> None:
         pass
@@ -68,6 +69,8 @@ class FakeIpvs:
         self.timeouts_set = (tcp, tcpfin, udp)
 
     def apply(self, requests: Sequence[Request]) -> list[tuple[Request, int]]:
+        if self.batch_error is not None:
+            raise self.batch_error
         failed = []
         for req in requests:
             self.sent.append(req)

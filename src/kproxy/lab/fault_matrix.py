@@ -6,7 +6,9 @@ bench/fault_bench.py runs the cases many times and prints a table.
 
 Services: "web" (10.96.0.10:80, pods 1 and 2) carries the load and is never changed;
 "moving" (10.96.0.20:80) has its one endpoint flipped between pod 3 and pod 4, so each
-flip queues a change whose sync meets the fault.
+flip queues a change whose sync meets the fault. A rig with UDP gives both a UDP port 53
+too (load on web's), and keeps one UDP flow of a fixed source port to "moving": after a
+flip, only the cleanup of stale conntrack flows moves it to the new pod.
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
 WEB = ("10.96.0.10", 80)
 MOVING = ("10.96.0.20", 80)
 MOVING_PODS = ("pod3", "pod4")
+UDP_PORT = 53
+STICKY_SPORT = 41999  # the UDP flow to "moving" (the load's own UDP has another port)
+CONNTRACK_FAILURES = "kproxy_conntrack_cleanup_failures_total"
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
-# Failure counters per mode, upstream's names (kproxy_sync_failures_total for every mode).
+# Failure counters per mode, upstream's names (kproxy_sync_failures_total for every mode;
+# upstream's ipvs mode counts only its iptables-restore failures).
 FAILURE_METRIC = {
     "iptables": "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
     "nftables": "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
@@ -52,17 +58,20 @@ except urllib.error.HTTPError as e:
 """
 
 
-def _objects(moving_pod: str, pod_ips: dict[str, str]) -> list[dict[str, Any]]:
+def _objects(moving_pod: str, pod_ips: dict[str, str], udp: bool = False) -> list[dict[str, Any]]:
+    ports: list[dict[str, Any]] = [{"name": "http", "port": 80, "targetPort": 8080}]
+    slice_ports: list[dict[str, Any]] = [{"name": "http", "port": 8080}]
+    if udp:
+        ports.append({"name": "dns", "port": UDP_PORT, "targetPort": 8080, "protocol": "UDP"})
+        slice_ports.append({"name": "dns", "port": 8080, "protocol": "UDP"})
+
     def svc(name: str, ip: str, pods: list[str]) -> list[dict[str, Any]]:
         return [
             {
                 "apiVersion": "v1",
                 "kind": "Service",
                 "metadata": {"name": name, "namespace": "default"},
-                "spec": {
-                    "clusterIP": ip,
-                    "ports": [{"name": "http", "port": 80, "targetPort": 8080}],
-                },
+                "spec": {"clusterIP": ip, "ports": ports},
             },
             {
                 "apiVersion": "discovery.k8s.io/v1",
@@ -73,7 +82,7 @@ def _objects(moving_pod: str, pod_ips: dict[str, str]) -> list[dict[str, Any]]:
                     "labels": {"kubernetes.io/service-name": name},
                 },
                 "addressType": "IPv4",
-                "ports": [{"name": "http", "port": 8080}],
+                "ports": slice_ports,
                 "endpoints": [{"addresses": [pod_ips[p]], "nodeName": "node1"} for p in pods],
             },
         ]
@@ -128,6 +137,7 @@ class FaultRig:
         sync_period: float = 1.0,
         tool_timeout: float = 1.0,
         state_tmpfs: str | None = None,
+        udp: bool = False,
     ) -> None:
         if len(lab.pods) < 4:
             raise ValueError("the fault matrix needs a lab of 4 pods")
@@ -136,10 +146,11 @@ class FaultRig:
         self.mode = mode
         self.backend = backend
         self.sync_period = sync_period
+        self.udp = udp
         self.source = workdir / "objects"
         self.source.mkdir(parents=True, exist_ok=True)
         self.moving_pod = MOVING_PODS[0]
-        _write(self.source / "services.yaml", _objects(self.moving_pod, lab.pod_ips))
+        _write(self.source / "services.yaml", _objects(self.moving_pod, lab.pod_ips, udp))
         _write(
             self.source / "node.yaml",
             [
@@ -166,14 +177,17 @@ class FaultRig:
             state_tmpfs=state_tmpfs,
         )
         self.load: LoadHarness | None = None
+        self.last_divergence: str | None = None  # why the last recovery had not converged
         self._prober = lab.agent(lab.pod_ns[0])
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def start(self) -> FaultRig:
-        self.proxy.start(timeout=30)
+    def start(self, timeout: float = 30) -> FaultRig:
+        """timeout: for kproxy's first sync (longer in UML)."""
+        self.proxy.start(timeout=timeout)
         wait_for(lambda: self.live_modes() == {self.mode}, 20, "the mode serving alone")
-        self.load = LoadHarness(self.lab, tcp=WEB, streams=3).start()
+        udp = (WEB[0], UDP_PORT) if self.udp else None
+        self.load = LoadHarness(self.lab, tcp=WEB, udp=udp, streams=3).start()
         time.sleep(0.3)
         return self
 
@@ -268,8 +282,13 @@ class FaultRig:
         nat = self.lab.exec(ns, [ipt, "-t", "nat"], check=False).stdout
         tables = self.lab.exec(ns, ["nft", "list", "tables"], check=False).stdout
         modes = set()
-        if re.search(r"^-A (PREROUTING|OUTPUT) .*-j KUBE-SERVICES", nat, re.M):
+        # ipvs mode jumps to a KUBE-SERVICES chain too, but has no per-service chains.
+        if re.search(r"^-A (PREROUTING|OUTPUT) .*-j KUBE-SERVICES", nat, re.M) and (
+            "-j KUBE-SVC-" in nat
+        ):
             modes.add("iptables")
+        if self._ipvs_present():
+            modes.add("ipvs")
         if "-j KUBE-PORTALS-CONTAINER" in nat:
             modes.add("userspace")
         if re.search(r"table ip kube-proxy\b", tables):
@@ -277,6 +296,16 @@ class FaultRig:
         if self._anchor_present(tables):
             modes.add("anchor")
         return modes
+
+    def _ipvs_present(self) -> bool:
+        ns = self.lab.node_ns
+        if "kube-ipvs0" in self.lab.exec(ns, ["ip", "-o", "link"], check=False).stdout:
+            return True
+        # ipvsadm would load ip_vs into a kernel without it (the host's, outside UML).
+        if not Path("/sys/module/ip_vs").exists():
+            return False
+        vs = self.lab.exec(ns, ["ipvsadm", "-S", "-n"], check=False).stdout
+        return any(line.startswith("-A ") for line in vs.splitlines())
 
     def _anchor_present(self, nft_tables: str) -> bool:
         if ANCHOR_TABLE in nft_tables:
@@ -297,6 +326,8 @@ class FaultRig:
         tables = self.lab.exec(ns, ["nft", "list", "tables"], check=False).stdout
         if serving != "nftables" and re.search(r"table ip kube-proxy\b", tables):
             out.append("nftables table ip kube-proxy")
+        if serving != "ipvs" and self._ipvs_present():
+            out.append("ipvs virtual servers or kube-ipvs0")
         if self._anchor_present(tables):
             out.append("the switch's conntrack anchor")
         return out
@@ -306,24 +337,45 @@ class FaultRig:
     def move(self) -> str:
         """Flip "moving" to its other pod (a queued change); returns the new pod."""
         self.moving_pod = MOVING_PODS[1] if self.moving_pod == MOVING_PODS[0] else MOVING_PODS[0]
-        _write(self.source / "services.yaml", _objects(self.moving_pod, self.lab.pod_ips))
+        _write(self.source / "services.yaml", _objects(self.moving_pod, self.lab.pod_ips, self.udp))
         return self.moving_pod
 
     def moving_answers_from(self) -> str | None:
         r = self._prober.request(proto="tcp", dst=MOVING[0], port=MOVING[1], timeout=1.0)
         return r.pod if r.ok else None
 
-    def converged(self) -> bool:
-        """The serving mode alone in the packet path, "moving" served by its current pod,
-        kproxy's status free of errors and /healthz 200."""
-        st = self.proxy.status()
-        return (
-            self.live_modes() == {self.mode}
-            and all(self.moving_answers_from() == self.moving_pod for _ in range(3))
-            and st.get("last_error") is None
-            and not st.get("pending", True)
-            and self.healthz() == 200
+    def sticky_udp_answers_from(self) -> str | None:
+        """Who answers the UDP flow of a fixed source port to "moving" (its conntrack entry
+        keeps it on one endpoint until something deletes the entry)."""
+        r = self._prober.request(
+            proto="udp", dst=MOVING[0], port=UDP_PORT, timeout=1.0, sport=STICKY_SPORT
         )
+        return r.pod if r.ok else None
+
+    def converged(self) -> bool:
+        """The serving mode alone in the packet path, "moving" served by its current pod
+        (with UDP: its flow of a fixed source port too), kproxy's status free of errors
+        and /healthz 200."""
+        return self.divergence() is None
+
+    def divergence(self) -> str | None:
+        """What keeps the rig from having converged (None: nothing)."""
+        live = self.live_modes()
+        if live != {self.mode}:
+            return f"live modes {sorted(live)}"
+        answers = [self.moving_answers_from() for _ in range(3)]
+        if any(a != self.moving_pod for a in answers):
+            return f"moving answered by {answers}, not {self.moving_pod}"
+        if self.udp and (udp := self.sticky_udp_answers_from()) != self.moving_pod:
+            return f"moving's UDP flow answered by {udp}, not {self.moving_pod}"
+        st = self.proxy.status()
+        for key in ("last_error", "conntrack_error"):
+            if st.get(key) is not None:
+                return f"status {key}: {st[key]}"
+        if st.get("pending", True):
+            return "status: a change pending"
+        code = self.healthz()
+        return None if code == 200 else f"/healthz {code}"
 
     # -- the cases ------------------------------------------------------------------------
 
@@ -387,6 +439,46 @@ class FaultRig:
         out.leftovers = self.leftovers()
         return out
 
+    def conntrack_case(self, fault: str, inject: Callable[[ToolFaults], None]) -> Outcome:
+        """A fault of the conntrack tool in the cleanup of stale UDP flows after a sync that
+        removed "moving"'s UDP endpoint: the sync goes on (upstream: a logged error, not a
+        failed sync), the flow keeps its old endpoint while the fault lasts, and once it is
+        gone a later sync deletes the stale entry by itself."""
+        if not self.udp:
+            raise ValueError("a conntrack case needs a rig with UDP")
+        out = Outcome(fault, "sync: UDP conntrack cleanup", self.mode)
+        failed0 = self.failed_so_far()
+        old_pod = self.moving_pod
+        if self.sticky_udp_answers_from() != old_pod:
+            raise RuntimeError(f"the UDP flow to moving is not on {old_pod} before the case")
+        metric0 = self.metric(CONNTRACK_FAILURES)
+        before = self.proxy.status().get("conntrack_failures", 0)
+        inject(self.faults)
+        try:
+            self.move()
+            wait_for(
+                lambda: self.proxy.status().get("conntrack_failures", 0) > before,
+                20,
+                "a failed conntrack cleanup in status",
+            )
+            st = self.status()
+            out.in_status = bool(st.get("conntrack_error")) and st.get("last_error") is None
+            out.in_metrics = self.metric(CONNTRACK_FAILURES) > metric0
+            out.healthz_503 = None
+            during = self.sticky_udp_answers_from()
+            out.notes = (
+                f"healthz {self.healthz()}; during the fault the UDP flow went to {during} "
+                f"(was {old_pod}); {str(st.get('conntrack_error'))[:100]}"
+            )
+        except TimeoutError as err:
+            out.notes = str(err)
+        finally:
+            self.faults.clear()
+        out.recover_seconds, out.recovered = self._recover()
+        out.failed_requests = self.failed_so_far() - failed0
+        out.leftovers = self.leftovers()
+        return out
+
     def switch_case(
         self, fault: str, step: str, to: str, inject: Callable[[ToolFaults], None]
     ) -> Outcome:
@@ -434,7 +526,8 @@ class FaultRig:
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:
-            if self.converged():
+            self.last_divergence = self.divergence()
+            if self.last_divergence is None:
                 return round(time.monotonic() - started, 2), True
             time.sleep(0.1)
         return None, False
@@ -540,6 +633,24 @@ def sync_faults(mode: str, backend: str = "nft") -> list[Case]:
             ("netlink batch hangs", cleanup, lambda f: f.netlink("nftables", "hang", 2)),
         ]
     return cases
+
+
+def ipvs_sync_faults() -> list[Case]:
+    """(fault, step, inject) in ipvs mode's sync: its ipset restore (a flip changes the
+    hairpin set of endpoints), and its IPVS netlink batch (a flip changes destinations)."""
+    return [
+        ("ipset restore fails", "sync: ipset", lambda f: f.set("ipset", "fail", match="restore")),
+        ("ipvs netlink batch fails", "sync: ipvs", lambda f: f.netlink("ipvs", "fail")),
+    ]
+
+
+def conntrack_faults() -> list[tuple[str, Callable[[ToolFaults], None]]]:
+    """(fault, inject) of the conntrack tool, at every call (the listing comes first)."""
+    return [
+        ("conntrack fails", lambda f: f.set("conntrack", "fail", code=1)),
+        ("conntrack hangs", lambda f: f.set("conntrack", "hang")),
+        ("conntrack killed", lambda f: f.set("conntrack", "kill")),
+    ]
 
 
 def switch_faults(old: str, to: str, backend: str = "nft") -> list[Case]:

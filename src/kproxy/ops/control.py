@@ -108,6 +108,11 @@ def status_command(
         lines.append(f"last error:      {one_line(st['last_error'])}")
     if st.get("state_dir_error"):
         lines.append(f"state dir:       {one_line(st['state_dir_error'])}")
+    if st.get("conntrack_error"):
+        lines.append(
+            f"conntrack:       stale UDP flows not cleaned ({st.get('conntrack_failures')} "
+            f"failures; retried at the next sync): {one_line(st['conntrack_error'])}"
+        )
     typer.echo("\n".join(lines))
     raise typer.Exit(0 if running else 1)
 

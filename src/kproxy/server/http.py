@@ -69,7 +69,7 @@ class HealthState:
     def failed(self, full: bool) -> None:
         pass
 
-    def conntrack_cleaned(self, deleted: int) -> None:
+    def conntrack_cleaned(self, deleted: int, error: str | None = None) -> None:
         pass
 
     def report(self) -> tuple[bool, float, float]:

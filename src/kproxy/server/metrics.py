@@ -176,6 +176,12 @@ class ProxyMetrics:
         self.sync_failures = Counter(
             "kproxy_sync_failures", "Cumulative failed syncs of any mode", ["mode"], registry=r
         )
+        # Upstream only logs a failed conntrack cleanup.
+        self.conntrack_cleanup_failures = Counter(
+            "kproxy_conntrack_cleanup_failures",
+            "Cumulative failed cleanups of stale UDP conntrack flows (retried at the next sync)",
+            registry=r,
+        )
         self.switches = Counter(
             "kproxy_mode_switches",
             "Proxy mode switches",
@@ -308,5 +314,7 @@ class ProxyMetrics:
         elif self.mode == "nftables":
             self.nft_sync_failures.labels(ip_family=IP_FAMILY).inc()
 
-    def conntrack_cleaned(self, deleted: int) -> None:
+    def conntrack_cleaned(self, deleted: int, error: str | None = None) -> None:
         self.conntrack_deleted.labels(ip_family=IP_FAMILY).inc(deleted)
+        if error is not None:
+            self.conntrack_cleanup_failures.inc()

@@ -96,7 +96,7 @@ class ServiceHealthServer:
     def failed(self, full: bool) -> None:
         pass
 
-    def conntrack_cleaned(self, deleted: int) -> None:
+    def conntrack_cleaned(self, deleted: int, error: str | None = None) -> None:
         pass
 
     # --- the two upstream operations -----------------------------------------------------

@@ -204,8 +204,15 @@ class IpvsDataplane(Dataplane):
         self._log_problems(plan.problems)
         timings["plan"], mark = time.perf_counter() - mark, time.perf_counter()
 
+        graceful = dict(self._graceful)
         ops, stale, changed = self._diff(plan, kernel, full)
-        failed = self._apply(ops, plan, kernel)
+        try:
+            failed = self._apply(ops, plan, kernel)
+        except SyncError:
+            # The diff started and ended drains for weight edits the kernel never got; kept,
+            # a real server wanted again would stay at weight 0 after the retry.
+            self._graceful = graceful
+            raise
         timings["ipvs"], mark = time.perf_counter() - mark, time.perf_counter()
         self._bind(plan, kernel)
         timings["bind"], mark = time.perf_counter() - mark, time.perf_counter()

@@ -1,0 +1,53 @@
+"""Faults in ipvs mode's sync, inside UML (the only kernel with IPVS), with traffic flowing.
+
+kproxy.lab.fault_matrix's rig in ipvs mode: load on "web", which nobody changes, while
+"moving" flips to another pod and the sync meets a fault: first `ipset restore` fails (the
+flip changes the hairpin set), then kproxy's IPVS netlink batch fails. Each time: no failed
+request to "web", the failure in `kproxy status` and kproxy_sync_failures_total{mode="ipvs"}
+(upstream's ipvs mode counts only its iptables-restore failures), /healthz 503 once the
+change has waited 2 x syncPeriod, and, the fault gone, kproxy converges by itself with
+"moving" served by its new pod.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kproxy.lab.fault_matrix import FaultRig, ipvs_sync_faults
+from kproxy.lab.topology import Lab
+from tests.support.uml import Guest
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture
+def lab4() -> Iterator[Lab]:
+    """A lab of 4 pods (the fault matrix's two services), torn down even on failure."""
+    with Lab(pods=4) as lab:
+        yield lab
+
+
+def test_ipset_and_ipvs_netlink_faults_keep_the_untouched_service(
+    guest: Guest, lab4: Lab, tmp_path: Path
+) -> None:
+    guest.require("ip_vs")
+    rig = FaultRig(lab4, tmp_path, "ipvs", backend="legacy")
+    try:
+        rig.start(timeout=60)
+        outcomes = [rig.sync_case(*case) for case in ipvs_sync_faults()]
+        assert rig.faults.hits("ipset") >= 1, "ipset restore never met its fault"
+        ipset_case, netlink_case = outcomes
+        assert "ipset" in ipset_case.notes, ipset_case
+        assert "netlink" in netlink_case.notes, netlink_case
+        assert all(o.healthz_503 for o in outcomes), outcomes
+        bad = [o for o in outcomes if not o.ok]
+        why = f"not converged: {rig.last_divergence}\n"
+        assert not bad, "\n".join(map(str, bad)) + "\n" + why + rig.proxy.log_tail(30)
+        result = rig.stop()
+        assert result is not None and result.fresh_sent > 50, result
+        assert result.failures == 0 and result.streams_dropped == 0, result.summary()
+    finally:
+        rig.stop()
