@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kproxy.model import snapshot as snapshot_mod
-from kproxy.model.objects import Protocol, ServicePort, Snapshot
+from kproxy.model.objects import Lineage, Protocol, ServicePort, Snapshot
 from kproxy.model.parse import (
     IgnoredObject,
     InvalidObject,
@@ -305,6 +305,56 @@ class TestIncremental:
         counts = tracker.take_counts()
         assert (counts.service_changes, counts.endpoint_changes) == (1, 1)
         assert counts.pending_services == {"ns/b"} and counts.pending_endpoints == {"ns/a"}
+
+
+# --- what changed between snapshots (Lineage) -------------------------------------------------
+
+
+class TestLineage:
+    def test_names_the_ports_of_changed_and_deleted_services(self, tracker: ChangeTracker) -> None:
+        put(tracker, *two_services())
+        s1 = tracker.snapshot()
+        assert s1.lineage is not None
+        assert s1.lineage.changed_since(None) is None
+        put(tracker, eslice("b-1", "b", endpoints=[endpoint("10.2.0.9")]))
+        s2 = tracker.snapshot()
+        assert s2.lineage is not None
+        assert s2.lineage.changed_since(s1.lineage) == {spn("b")}
+        delete(tracker, SERVICE, "a")
+        s3 = tracker.snapshot()
+        assert s3.lineage is not None
+        assert s3.lineage.changed_since(s2.lineage) == {spn("a")}
+        assert s3.lineage.changed_since(s1.lineage) == {spn("a"), spn("b")}
+        assert s1.lineage.changed_since(s3.lineage) is None  # backwards: unknown
+
+    def test_a_snapshot_without_changes_changes_nothing(self, tracker: ChangeTracker) -> None:
+        put(tracker, *two_services())
+        s1, s2 = tracker.snapshot(), tracker.snapshot()
+        assert s1.lineage is not None and s2.lineage is not None
+        assert s2.lineage.changed_since(s1.lineage) == frozenset()
+
+    def test_unknown_across_trackers_topology_and_trimmed_history(
+        self, tracker: ChangeTracker
+    ) -> None:
+        put(tracker, *two_services())
+        s1 = tracker.snapshot()
+        other = ChangeTracker(NODE_NAME)
+        put(other, *two_services())
+        s_other = other.snapshot()
+        assert s_other.lineage is not None and s1.lineage is not None
+        assert s_other.lineage.changed_since(s1.lineage) is None
+        put(tracker, node(NODE_NAME, zone="z9"))
+        s2 = tracker.snapshot()
+        assert s2.lineage is not None
+        assert s2.lineage.changed_since(s1.lineage) is None  # every port was re-derived
+        log = s2.lineage.log
+        for i in range(300):  # more steps than the log keeps
+            put(tracker, eslice("b-1", "b", endpoints=[endpoint(f"10.2.1.{i % 250}")]))
+            tracker.snapshot()
+        last = tracker.snapshot().lineage
+        assert last is not None and last.log is log
+        assert last.changed_since(s2.lineage) is None
+        assert last.changed_since(Lineage(log, last.seq - 1)) == {spn("b")}
 
 
 # --- snapshot_from_objects ---------------------------------------------------------------------
