@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol as Interface
 
 from kproxy.dataplane.base import Dataplane, SyncError, SyncResult
-from kproxy.memory import release_free_heap
+from kproxy.memory import collector_paused, settle_after_full_sync
 from kproxy.model.objects import Protocol, ServicePort, ServicePortName, Snapshot
 from kproxy.model.snapshot import ChangeCounts, ChangeTracker
 from kproxy.runner import BoundedFrequencyRunner
@@ -163,7 +163,8 @@ class ProxyLoop:
                 self.dataplane.distrust_kernel()
             started = time.monotonic()
             try:
-                result = self.dataplane.sync(snapshot, full=full)
+                with collector_paused():
+                    result = self.dataplane.sync(snapshot, full=full)
             except SyncError as err:
                 self.tracker.return_counts(counts)
                 self._record_failure(str(err), full)
@@ -207,7 +208,7 @@ class ProxyLoop:
             for obs in self.observers:
                 obs.synced(snapshot, result, took, counts)
             if result.full:
-                release_free_heap()  # a full sync's input is the daemon's largest garbage
+                settle_after_full_sync()  # a full sync's input is the daemon's largest garbage
             return True
 
     def _drifted(self) -> bool:
