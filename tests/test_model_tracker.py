@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kproxy.model import snapshot as snapshot_mod
-from kproxy.model.objects import Lineage, Protocol, ServicePort, Snapshot
+from kproxy.model.objects import ChangeLog, Lineage, Protocol, ServicePort, Snapshot
 from kproxy.model.parse import (
     IgnoredObject,
     InvalidObject,
@@ -355,6 +355,16 @@ class TestLineage:
         assert last is not None and last.log is log
         assert last.changed_since(s2.lineage) is None
         assert last.changed_since(Lineage(log, last.seq - 1)) == {spn("b")}
+
+    def test_the_log_forgets_steps_beyond_its_name_budget(self) -> None:
+        log = ChangeLog(keep=10, keep_names=3)
+        names = [spn(c) for c in "abcd"]
+        start = log.record(None)
+        one = log.record(frozenset(names[:2]))
+        two = log.record(frozenset(names[2:]))  # 4 names: the first step is forgotten
+        assert log.between(one, two) == frozenset(names[2:])
+        assert log.between(start, two) is None
+        assert log.between(two, two) == frozenset()
 
 
 # --- snapshot_from_objects ---------------------------------------------------------------------

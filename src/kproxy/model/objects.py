@@ -186,13 +186,17 @@ class NodeInfo:
 
 
 class ChangeLog:
-    """Which service ports each snapshot of one tracker re-derived, for the last `keep`
-    snapshots that changed any: lets a consumer that planned an earlier snapshot of the same
-    tracker visit only the ports that may differ instead of every port."""
+    """Which service ports each snapshot of one tracker re-derived, for the last snapshots
+    that changed any (at most `keep` of them, naming at most `keep_names` ports together):
+    lets a consumer that planned an earlier snapshot of the same tracker visit only the
+    ports that may differ instead of every port. Older steps are forgotten (a consumer
+    that far behind compares every port)."""
 
-    def __init__(self, keep: int = 256) -> None:
+    def __init__(self, keep: int = 256, keep_names: int = 65_536) -> None:
         self._lock = threading.Lock()
         self._seq = 0
+        self._keep_names = keep_names
+        self._names = 0  # ports named by the kept entries
         # (seq, names changed from seq - 1 to seq; None: possibly every port)
         self._entries: deque[tuple[int, frozenset[ServicePortName] | None]] = deque(maxlen=keep)
 
@@ -204,7 +208,13 @@ class ChangeLog:
         """Note the next snapshot (changed names, None for all); returns its seq."""
         with self._lock:
             self._seq += 1
-            self._entries.append((self._seq, changed))
+            entries = self._entries
+            if len(entries) == entries.maxlen:
+                self._names -= len(entries[0][1] or ())
+            entries.append((self._seq, changed))
+            self._names += len(changed or ())
+            while self._names > self._keep_names and len(entries) > 1:
+                self._names -= len(entries.popleft()[1] or ())
             return self._seq
 
     def between(self, old: int, new: int) -> frozenset[ServicePortName] | None:
