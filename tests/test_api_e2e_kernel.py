@@ -29,9 +29,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from kproxy.cluster.annotations import CURRENT_MODE, MODE_ANNOTATION, OBSERVED, SWITCH_STATE
-from kproxy.lab.cluster import CONFIG
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from kproxy.sources.kubeclient import ApiError, ClientSettings, connect, json_request
 
@@ -270,7 +269,7 @@ def pods_answering(lab: Lab, ip: str, count: int = 30) -> set[str]:
 
 def start_kproxy(lab: Lab, c: Cluster, tmp_path: Path, mode: str = "iptables") -> ProxyProcess:
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG.format(mode=mode, node=c.node, kubeconfig=c.kubeconfig_for_kproxy))
+    cfg.write_text(proxy_config(mode, node=c.node, kubeconfig=c.kubeconfig_for_kproxy))
     return ProxyProcess(
         lab, None, config=cfg, args=["--iptables-backend", "nft"], workdir=tmp_path / "kproxy"
     ).start(timeout=30)

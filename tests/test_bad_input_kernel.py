@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
-from tests.support.dataplane_env import CONFIG, POD_IPS, WEB_PORTS, WEB_SLICE_PORTS
+from tests.support.dataplane_env import POD_IPS, WEB_PORTS, WEB_SLICE_PORTS
 from tests.support.objects import endpoint, endpoint_slice, node, service, write
 
 pytestmark = pytest.mark.kernel
@@ -60,7 +60,7 @@ def proxy(lab: Lab, tmp_path: Path) -> Iterator[ProxyProcess]:
     for name, data in HOSTILE_AT_START.items():
         (source / name).write_bytes(data)
     config = tmp_path / "config.yaml"
-    config.write_text(CONFIG.format(mode="iptables"))
+    config.write_text(proxy_config("iptables"))
     p = ProxyProcess(lab, source, config=config, workdir=tmp_path / "kproxy")
     try:
         yield p

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from kproxy.lab.agent import ProbeResult
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from tests.support.dataplane_env import (
-    CONFIG,
     LIVE_DEADLINE,
     POD_IPS,
     WEB_PORTS,
@@ -52,7 +51,7 @@ def env(request: pytest.FixtureRequest, lab: Lab, tmp_path: Path) -> Iterator[En
     source.mkdir()
     write(source / "node.yaml", node())
     config = tmp_path / "config.yaml"
-    config.write_text(CONFIG.format(mode=mode))
+    config.write_text(proxy_config(mode))
     proxy = ProxyProcess(
         lab,
         source,
@@ -258,13 +257,7 @@ def test_add_change_delete_are_live_within_two_seconds(env: Env) -> None:
     )
 
 
-def test_udp_flow_moves_off_a_removed_endpoint(env: Env, request: pytest.FixtureRequest) -> None:
-    if env.plane == "nftables-compact":
-        # A known bug of the compact layout: a shared chain's `dnat to … map` gets an implicit
-        # `meta l4proto tcp` from nft (the map's value is typed `tcp dport`), so a UDP-only
-        # service is never DNATed. Strict: this fails once the layout is fixed.
-        reason = "compact layout: nft adds `meta l4proto tcp` to the shared chains' DNAT"
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+def test_udp_flow_moves_off_a_removed_endpoint(env: Env) -> None:
     write(
         env.source / "dns.yaml",
         service("dns", "10.96.0.53", [port("dns", 53, 8080, protocol="UDP")]),
@@ -352,7 +345,7 @@ def test_kill_9_keeps_traffic_and_restart_fails_no_request(env: Env) -> None:
 
 
 def test_rules_flushed_by_someone_else_come_back(env: Env) -> None:
-    env.config.write_text(CONFIG.format(mode=env.mode).replace("syncPeriod: 30s", "syncPeriod: 1s"))
+    env.config.write_text(proxy_config(env.mode, sync_period="1s"))
     web(env)
     env.proxy.start()
     client = env.client()

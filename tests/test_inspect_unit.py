@@ -506,7 +506,7 @@ def test_compact_list_reads_endpoints_from_the_slot_maps() -> None:
     assert dp.service_names == list_services(source=nft()).dataplanes[0].service_names
     assert [rs.addr for rs in web.endpoints] == [f"{ip}:8080" for ip in PODS]
     assert [rs.chain for rs in web.endpoints] == [
-        f"dnat/internal/3 @service-endpoints[{i}]" for i in range(3)
+        f"dnat/internal/3 @service-endpoints-tcp[{i}]" for i in range(3)
     ]
     assert [round(rs.share or 0, 3) for rs in web.endpoints] == [0.333] * 3
     assert sum(rs.inactive for rs in web.endpoints) == 6  # conntrack, as in upstream's layout
@@ -521,10 +521,17 @@ def test_compact_list_reads_endpoints_from_the_slot_maps() -> None:
     loc = dp.server("tcp", NODE_IP, 30082)
     assert loc is not None and loc.kind == "NodePort" and loc.local_only
     assert [(rs.addr, rs.chain) for rs in loc.endpoints] == [
-        ("10.244.0.2:8080", "dnat/nodeport-local/2/1 @nodeport-endpoints[2]")
+        ("10.244.0.2:8080", "dnat/nodeport-local/2/1 @nodeport-endpoints-tcp[2]")
     ]
     remote = dp.server("tcp", NODE_IP, 30083)
     assert remote is not None and remote.verdict == DROP and not remote.endpoints
+    # UDP: the same shared chain, its UDP rule and map
+    dns = dp.server("udp", "10.96.0.53", 53)
+    assert dns is not None and dns.chain == "dnat/internal/2" and not dns.notes
+    assert [(rs.addr, rs.chain) for rs in dns.endpoints] == [
+        (f"{ip}:8080", f"dnat/internal/2 @service-endpoints-udp[{i}]")
+        for i, ip in enumerate(PODS[:2])
+    ]
 
 
 def test_compact_destinations_are_the_upstream_layouts() -> None:
@@ -550,11 +557,18 @@ def test_compact_trace_walks_the_shared_chain_and_the_slot_map() -> None:
         in actions
     )
     (pick,) = [s for s in steps if s.chain == "dnat/internal/3" and "numgen" in s.action]
-    assert pick.text.startswith("dnat to ip daddr . meta l4proto . th dport . numgen random mod 3")
+    assert pick.text.startswith("dnat to ip daddr . meta l4proto . tcp dport . numgen random mod 3")
     assert pick.action == (
-        "numgen = 1 (probability 1/3): @service-endpoints element 10.96.0.10 . tcp . 80 . 1 : "
-        "DNAT to 10.244.0.3:8080"
+        "numgen = 1 (probability 1/3): @service-endpoints-tcp element 10.96.0.10 . tcp . 80 . 1"
+        " : DNAT to 10.244.0.3:8080"
     )
+    # UDP passes the TCP rule (nft matches its protocol first) and takes the UDP one.
+    udp = trace(CLIENT, "10.96.0.53", 53, proto="udp", source=compact()).outcomes
+    assert {o.dnat for o in udp} == {f"{ip}:8080" for ip in PODS[:2]}
+    assert [round(o.probability or 0, 3) for o in udp] == [0.5] * 2
+    (pick,) = [s for s in udp[0].steps if s.chain == "dnat/internal/2" and "numgen" in s.action]
+    assert "@service-endpoints-udp element 10.96.0.53 . udp . 53 . 0" in pick.action
+    assert not pick.notes
     assert "only table ip kproxy-compact is evaluated" in result.text()
     (loc,) = trace(CLIENT, NODE_IP, 30082, source=compact()).outcomes
     assert loc.dnat == "10.244.0.2:8080" and loc.masquerade is False

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from kproxy.model.snapshot import snapshot_from_objects
 from kproxy.ops.inspect import ListingResult, TraceResult, list_services, trace
 from kproxy.ops.inspect.model import DNAT, DROP, REJECT
-from tests.support.dataplane_env import CONFIG, pods_of
+from tests.support.dataplane_env import pods_of
 from tests.support.lab import LAB_SKIP_REASON, LAB_SUPPORTED
 from tests.support.objects import write
 from tests.support.scenario import scenario_objects
@@ -70,7 +70,7 @@ def node(
         for i, obj in enumerate(scenario_objects(lab.client_ips[0])):
             write(source / f"{i:02d}.yaml", obj)
         config = work / "config.yaml"
-        config.write_text(CONFIG.format(mode="userspace"))
+        config.write_text(proxy_config("userspace"))
         proxy = ProxyProcess(
             lab,
             source,

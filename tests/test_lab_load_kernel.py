@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from kproxy.lab.load import LoadHarness
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from tests.support.api import wait_until
-from tests.support.dataplane_env import CONFIG, POD_IPS
+from tests.support.dataplane_env import POD_IPS
 from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
@@ -30,7 +30,7 @@ def test_metrics_fetched_in_the_node_namespace_and_a_cut_stream_names_its_pod(
         endpoint_slice("web", [endpoint(POD_IPS[0])], [port("http", 8080)]),
     )
     config = tmp_path / "config.yaml"
-    config.write_text(CONFIG.format(mode="iptables"))
+    config.write_text(proxy_config("iptables"))
     proxy = ProxyProcess(
         lab, source, config=config, args=["--iptables-backend", "nft"], workdir=tmp_path / "kp"
     ).start()

@@ -9,19 +9,12 @@ import pytest
 from kproxy.dataplane.ipvs.hold import HOLD_COMMENT, hold_input
 from kproxy.dataplane.ipvs.plan import VSKey
 from kproxy.dataplane.userspace.render import HANDOFF_COMMENT, HANDOFF_RULE
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
 
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-conntrack: {maxPerCore: 0}
-"""
 LEGACY_KUBE = """\
 *nat
 :KUBE-SERVICES - [0:0]
@@ -81,7 +74,7 @@ def test_startup_removes_other_modes_leftovers(lab: Lab, tmp_path: Path) -> None
         endpoint_slice("web", [endpoint("10.244.0.2")], [port("http", 8080)]),
     )
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(proxy_config(None, sync_period=None))
     proxy = ProxyProcess(
         lab, src, config=cfg, args=["--iptables-backend", "nft"], workdir=tmp_path / "kp"
     )
@@ -189,7 +182,7 @@ def test_nftables_mode_removes_the_other_layouts_table(
         endpoint_slice("web", [endpoint("10.244.0.2")], [port("http", 8080)]),
     )
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG + "mode: nftables\n")
+    cfg.write_text(proxy_config("nftables", sync_period=None))
     proxy = ProxyProcess(
         lab, src, config=cfg, args=["--nftables-layout", layout], workdir=tmp_path / "kp"
     )

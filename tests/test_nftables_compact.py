@@ -26,6 +26,7 @@ from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
 FACTS = NodeFacts(node_ips=("10.100.0.1",), local_addresses=("127.0.0.1", "10.100.0.1"))
 OPTIONS = RuleOptions(cluster_cidrs=("10.244.0.0/16",))
+TCP_ENDPOINTS = names.endpoint_map(names.SERVICE_ENDPOINTS_MAP, "tcp")
 
 
 def web(i: int, ips: list[str], **spec: Any) -> list[dict[str, Any]]:
@@ -81,16 +82,15 @@ def test_chains_do_not_grow_with_services_or_endpoints() -> None:
 def test_every_endpoint_gets_exactly_one_slot_of_its_own_count(count: int) -> None:
     ips = [f"10.244.{i // 250}.{1 + i % 250}" for i in range(count)]
     plan = plan_of(web(0, ips))
-    slots = {
-        k: v for k, v in elements(plan, names.SERVICE_ENDPOINTS_MAP).items() if "10.96.0.10" in k
-    }
+    slots = {k: v for k, v in elements(plan, TCP_ENDPOINTS).items() if "10.96.0.10" in k}
     assert sorted(int(k.rsplit(" . ", 1)[1]) for k in slots) == list(range(count))
     assert Counter(v.split(" . ")[0] for v in slots.values()) == Counter(ips)
     chain = f"dnat/internal/{count}"
     assert elements(plan, names.SERVICE_IPS_MAP)["10.96.0.10 . tcp . 80"] == f"goto {chain}"
-    assert plan.shared[chain].rules[-1] == (
-        f"dnat to ip daddr . meta l4proto . th dport . numgen random mod {count} "
-        f"map @{names.SERVICE_ENDPOINTS_MAP}"
+    assert plan.shared[chain].rules[-3:] == tuple(
+        f"meta l4proto {proto} dnat to ip daddr . meta l4proto . th dport . numgen random"
+        f" mod {count} map @service-endpoints-{proto}"
+        for proto in ("tcp", "udp", "sctp")
     )
 
 
@@ -105,7 +105,7 @@ def test_local_policy_puts_local_endpoints_after_the_cluster_ones() -> None:
     lb["status"] = {"loadBalancer": {"ingress": [{"ip": "10.99.0.5"}]}}
     eps = [endpoint("10.244.1.1", "node2"), endpoint("10.244.0.5"), endpoint("10.244.2.1", "n3")]
     plan = plan_of([lb, endpoint_slice("lb", eps, [port("http", 8080)])])
-    dnat = elements(plan, names.SERVICE_ENDPOINTS_MAP)
+    dnat = elements(plan, TCP_ENDPOINTS)
     ext = "10.99.0.5 . tcp . 80"
     assert [dnat[f"{ext} . {i}"] for i in range(4)] == [
         "10.244.0.5 . 8080",
@@ -118,9 +118,10 @@ def test_local_policy_puts_local_endpoints_after_the_cluster_ones() -> None:
         "goto dnat/nodeport-local/3/1"
     )
     rules = plan.shared["dnat/external-local/3/1"].rules
-    assert rules[0].startswith("ip saddr 10.244.0.0/16 dnat to ") and "mod 3 map" in rules[0]
-    assert "fib saddr type local jump mark-for-masquerade" in rules[1]
-    assert rules[-1].endswith("numgen random mod 1 offset 3 map @service-endpoints")
+    assert rules[0].startswith("ip saddr 10.244.0.0/16 meta l4proto tcp dnat to ")
+    assert "mod 3 map @service-endpoints-tcp" in rules[0]
+    assert "fib saddr type local jump mark-for-masquerade" in rules[3]
+    assert rules[-1].endswith("numgen random mod 1 offset 3 map @service-endpoints-sctp")
     # ClusterIP traffic (Cluster policy) spreads over all three.
     assert elements(plan, names.SERVICE_IPS_MAP)["10.96.0.50 . tcp . 80"] == (
         "goto dnat/internal/3"
@@ -173,9 +174,9 @@ def test_a_one_service_change_is_elements_only_over_netlink() -> None:
     assert [s.kind for s in steps] == ["netlink"]
     assert write.tx.text() == (
         "delete element ip kproxy-compact hairpin-endpoints { 10.244.7.1 . 10.244.7.1 }\n"
-        "delete element ip kproxy-compact service-endpoints { 10.96.0.17 . tcp . 80 . 1 }\n"
+        "delete element ip kproxy-compact service-endpoints-tcp { 10.96.0.17 . tcp . 80 . 1 }\n"
         "add element ip kproxy-compact hairpin-endpoints { 10.244.7.9 . 10.244.7.9 }\n"
-        "add element ip kproxy-compact service-endpoints"
+        "add element ip kproxy-compact service-endpoints-tcp"
         " { 10.96.0.17 . tcp . 80 . 1 : 10.244.7.9 . 8080 }\n"
     )
 
@@ -194,5 +195,24 @@ def test_a_shared_chain_goes_stale_with_its_last_user() -> None:
     state = write.commit(state)
     t.apply([event(o) for o in web(1, ["10.244.0.2", "10.244.0.4"])])  # and back
     write = write_sync(planner.plan(t.snapshot()), state, full=False, now=5.5)
-    assert "add rule ip kproxy-compact dnat/internal/2 dnat to" in write.tx.text()
+    assert "add rule ip kproxy-compact dnat/internal/2 meta l4proto tcp dnat to" in write.tx.text()
     assert write.commit(state).stale == {}
+
+
+@pytest.mark.parametrize("proto", ["UDP", "SCTP"])
+def test_each_protocols_endpoints_go_to_its_own_map(proto: str) -> None:
+    spec = [port("p", 53, 8053, protocol=proto, nodePort=30053)]
+    svc = service("dns", "10.96.0.53", spec, type="NodePort")
+    slice_ = endpoint_slice("dns", [endpoint("10.244.0.1")], [port("p", 8053, protocol=proto)])
+    plan = plan_of([svc, slice_])
+    p = proto.lower()
+    maps = {c: elements(plan, c) for c in names.ENDPOINT_MAPS}
+    assert {c for c, els in maps.items() if els} == {
+        f"service-endpoints-{p}",
+        f"nodeport-endpoints-{p}",
+    }
+    assert maps[f"service-endpoints-{p}"] == {f"10.96.0.53 . {p} . 53 . 0": "10.244.0.1 . 8053"}
+    assert maps[f"nodeport-endpoints-{p}"] == {f"{p} . 30053 . 0": "10.244.0.1 . 8053"}
+    # Every shared chain has this protocol's pick, on its map.
+    for chain in plan.shared.values():
+        assert any(r.startswith(f"meta l4proto {p} dnat") for r in chain.rules), chain

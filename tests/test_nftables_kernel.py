@@ -29,6 +29,7 @@ from kproxy.dataplane.nftables.proxier import FAILED_TRANSACTION, NftablesDatapl
 from kproxy.dataplane.nftables.render import render_full
 from kproxy.lab.topology import Lab
 from kproxy.model.snapshot import ChangeTracker, snapshot_from_objects
+from kproxy.ops.inspect.nftables_reader import parse_table, shared_picks
 from kproxy.sources.base import ObjectEvent, ObjectKey
 from tests.support.nft_fakes import FakeTable
 from tests.support.nft_golden import facts, fixture, flow_cases, golden_yaml, options, snapshot
@@ -651,5 +652,56 @@ def test_hairpin_local_policy_and_udp_carry_real_packets(lab: Lab, layout: str) 
         assert all(r.ok and r.pod != pod1 for r in moved), moved
         if layout == "compact":
             assert [s.split(":")[0] for s in dp.backend.last_steps] == ["netlink"]  # type: ignore[attr-defined]
+    finally:
+        dp.cleanup()
+
+
+def test_udp_only_services_carry_real_packets(lab: Lab, layout: str) -> None:
+    """UDP-only services (ClusterIP and NodePort) are DNATed, also after later syncs write
+    new chains and elements for them; in the compact layout each DNAT rule takes the
+    protocol of its map and nothing else (nft makes the rule match it)."""
+    pod_ips = sorted(lab.pod_ips.values())
+    udp = [port("dns", 53, 8080, protocol="UDP", nodePort=30053)]
+    udp_slice = [port("dns", 8080, protocol="UDP")]
+
+    def dns(name: str, cluster_ip: str, ips: list[str], **spec: Any) -> list[dict[str, Any]]:
+        return [
+            service(name, cluster_ip, copy.deepcopy(udp), **spec),
+            endpoint_slice(name, [endpoint(ip) for ip in ips], copy.deepcopy(udp_slice)),
+        ]
+
+    t = ChangeTracker("node1")
+    t.apply([event(node(ip=lab.node_ip))])
+    t.apply([event(o) for o in dns("dns", "10.96.0.53", pod_ips, type="NodePort")])
+    facts = NodeFacts(node_ips=(lab.node_ip,), local_addresses=("127.0.0.1", lab.node_ip))
+    dp = NftablesDataplane(
+        facts, RuleOptions(cluster_cidrs=(lab.cluster_cidr,)), netns=lab.node_ns, layout=layout
+    )
+    client = lab.agent(lab.client_ns[0])
+    try:
+        dp.sync(t.snapshot(), full=True)
+        results = client.request_many(proto="udp", dst="10.96.0.53", port=53, count=30)
+        assert all(r.ok for r in results) and {r.pod for r in results} == set(lab.pod_ips)
+        nodeport = client.request_many(proto="udp", dst=lab.node_ip, port=30053, count=10)
+        assert all(r.ok for r in nodeport), nodeport
+        # Later transactions: a second UDP service and new endpoint counts (new shared
+        # chains in the compact layout, written after the maps they name).
+        t.apply([event(o) for o in dns("dns2", "10.96.0.54", pod_ips[:1])])
+        t.apply([event(o) for o in dns("dns", "10.96.0.53", pod_ips[1:], type="NodePort")])
+        dp.sync(t.snapshot(), full=False)
+        second = client.request_many(proto="udp", dst="10.96.0.54", port=53, count=5)
+        assert all(r.ok and lab.pod_ips[r.pod or ""] == pod_ips[0] for r in second), second
+        first = client.request_many(proto="udp", dst="10.96.0.53", port=53, count=20)
+        assert all(r.ok for r in first), first
+        assert {lab.pod_ips[r.pod or ""] for r in first} == set(pod_ips[1:])
+        assert all(r.ok for r in client.request_many("udp", lab.node_ip, 30053, count=5))
+        if layout == "compact":
+            listing = nft(lab.node_ns, "-j", "list", "table", "ip", dp.table)
+            table = parse_table(listing, name=dp.table)
+            assert table is not None
+            picks = [p for c in table.chains.values() for p in shared_picks(c)]
+            assert picks and all(p.container.endswith(f"-{p.proto}") for p in picks)
+            assert {p.proto for p in picks} == {"tcp", "udp", "sctp"}
+            assert_kernel_holds_the_plan(lab.node_ns, dp)
     finally:
         dp.cleanup()

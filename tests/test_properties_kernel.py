@@ -37,7 +37,7 @@ from kproxy.dataplane.iptables.render import render_full as iptables_render
 from kproxy.dataplane.ipvs.ipset import IpsetClient, sync_lines
 from kproxy.dataplane.ipvs.plan import IpvsPlanner
 from kproxy.dataplane.ipvs.render import ipset_restore
-from kproxy.dataplane.nftables.layouts import DEFAULT_LAYOUT, LAYOUTS
+from kproxy.dataplane.nftables.layouts import LAYOUTS, dataplane_name
 from kproxy.dataplane.nftables.proxier import NftablesDataplane
 from kproxy.dataplane.nftables.render import render_full as nftables_render
 from kproxy.dataplane.userspace.render import render_text as userspace_render
@@ -239,19 +239,17 @@ def tables(backend: IptablesBackend) -> list[str]:
 def test_nftables_render_is_accepted_and_reads_back_as_the_model(
     netns: Namespace, layout: str, pair: list[World], facts: NodeFacts, options: RuleOptions
 ) -> None:
-    """The compact layout has no reader yet (`kproxy list` reads table ip kube-proxy):
-    its render is checked by the kernel and its syncs applied, not read back."""
+    """Both layouts, each read back by its own reader ("nftables", "nftables-compact")."""
     netns.empty()
     before, after = snap(pair[0]), snap(pair[1])
     render = nftables_render(before, facts, options, layout=layout)
     accepted(netns.name, ["nft", "-c", "-f", "-"], render)
     plane = NftablesDataplane(facts, options, netns=netns.name, layout=layout)
+    dataplane = dataplane_name(layout)
     plane.sync(before, full=True)
-    if layout == DEFAULT_LAYOUT:
-        reads_back_as(netns, "nftables", before, facts)
+    reads_back_as(netns, dataplane, before, facts)
     plane.sync(after, full=False)
-    if layout == DEFAULT_LAYOUT:
-        reads_back_as(netns, "nftables", after, facts)
+    reads_back_as(netns, dataplane, after, facts)
 
 
 # --- ipvs mode: ipsets and iptables rules (virtual servers need ip_vs: UML tests) ------------

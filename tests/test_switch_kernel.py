@@ -11,20 +11,12 @@ from pathlib import Path
 import pytest
 
 from kproxy.lab.load import LoadHarness
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from kproxy.server.admin import SOCKET_NAME
 from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-conntrack: {{maxPerCore: 0}}
-"""
 PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
 
 
@@ -43,7 +35,7 @@ def start(lab: Lab, tmp_path: Path, mode: str, *args: str) -> ProxyProcess:
         endpoint_slice("dns", [endpoint(ip) for ip in PODS], [port("dns", 8080, protocol="UDP")]),
     )
     cfg = tmp_path / f"{mode}.yaml"
-    cfg.write_text(CONFIG.format(mode=mode))
+    cfg.write_text(proxy_config(mode, sync_period=None))
     return ProxyProcess(
         lab, src, config=cfg, args=["--iptables-backend", "nft", *args], workdir=tmp_path / "kp"
     ).start()
@@ -240,7 +232,7 @@ def test_changing_mode_in_the_config_file_switches_live(lab: Lab, tmp_path: Path
     pid = proxy.proc.pid if proxy.proc else None
     try:
         assert proxy.config is not None
-        proxy.config.write_text(CONFIG.format(mode="nftables"))
+        proxy.config.write_text(proxy_config("nftables", sync_period=None))
         deadline = time.monotonic() + 15
         while proxy.status().get("mode") != "nftables" and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -250,7 +242,7 @@ def test_changing_mode_in_the_config_file_switches_live(lab: Lab, tmp_path: Path
         assert kernel_state(lab) == (False, True)
         assert lab.agent(lab.client_ns[0]).request(proto="tcp", dst="10.96.0.10", port=80).ok
         # A config that does not validate changes nothing.
-        proxy.config.write_text(CONFIG.format(mode="nftabels"))
+        proxy.config.write_text(proxy_config("nftabels", sync_period=None))
         time.sleep(2.0)
         assert proxy.status()["mode"] == "nftables"
         assert "config change ignored" in proxy.log_tail(50)

@@ -24,9 +24,9 @@ import pytest
 
 from kproxy.dataplane.userspace.control import WORKER_MODULE, proc_cmdline
 from kproxy.lab.agent import ProbeResult
+from kproxy.lab.proxy import proxy_config
 from kproxy.lab.topology import Lab
 from tests.support.dataplane_env import (
-    CONFIG,
     POD_IPS,
     WEB_PORTS,
     WEB_SLICE_PORTS,
@@ -74,7 +74,7 @@ def env(lab: Lab, tmp_path: Path) -> Iterator[Env]:
     source.mkdir()
     write(source / "node.yaml", node())
     config = tmp_path / "config.yaml"
-    config.write_text(CONFIG.format(mode="userspace"))
+    config.write_text(proxy_config("userspace"))
     proxy = UserspaceProxy(
         lab,
         source,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
-from tests.support.dataplane_env import CONFIG, POD_IPS
+from tests.support.dataplane_env import POD_IPS
 from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
@@ -41,7 +41,7 @@ def proxy(request: pytest.FixtureRequest, lab: Lab, tmp_path: Path) -> Iterator[
         endpoint_slice("api", [endpoint(POD_IPS[0])], [port("http", 8080)]),
     )
     config = tmp_path / "config.yaml"
-    config.write_text(CONFIG.format(mode=mode))
+    config.write_text(proxy_config(mode))
     p = ProxyProcess(
         lab, source, config=config, args=["--iptables-backend", backend], workdir=tmp_path / "kp"
     )

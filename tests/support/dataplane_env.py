@@ -11,16 +11,6 @@ from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from tests.support.objects import endpoint, endpoint_slice, port, service, write
 
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-iptables: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-nftables: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-conntrack: {{maxPerCore: 0}}
-"""
 LIVE_DEADLINE = 2.0  # the issue's bound for a source edit to reach the dataplane
 POD_IPS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
 WEB_PORTS = [port("http", 80, "http")]

@@ -8,18 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-conntrack: {{maxPerCore: 0}}
-"""
 PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
 
 
@@ -43,7 +35,7 @@ def objects(folder: Path, *extra: dict[str, Any]) -> Path:
 
 def config(tmp_path: Path, mode: str, extra: str = "") -> Path:
     path = tmp_path / f"config-{mode}.yaml"
-    path.write_text(CONFIG.format(mode=mode) + extra)
+    path.write_text(proxy_config(mode, sync_period=None) + extra)
     return path
 
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.dataplane_env import CONFIG
+from kproxy.lab.proxy import proxy_config
 from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
@@ -115,7 +115,7 @@ def _record(mode: str, backend: str, workdir: Path, layout: str = "upstream") ->
         for i, obj in enumerate(scenario_objects(lab.client_ips[0])):
             write(src / f"{i:02d}.yaml", obj)
         cfg = workdir / f"config-{mode}.yaml"
-        cfg.write_text(CONFIG.format(mode=mode))
+        cfg.write_text(proxy_config(mode))
         args = ["--iptables-backend", backend] if backend else []
         args += ["--nftables-layout", layout]
         proxy = ProxyProcess(

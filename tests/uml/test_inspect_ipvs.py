@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kproxy.dataplane.ipvs import names as n
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from kproxy.leftovers import clean_leftovers
 from kproxy.ops import inspect as inspection
@@ -28,15 +28,6 @@ from tests.support.objects import endpoint, endpoint_slice, node, port, service,
 
 pytestmark = pytest.mark.kernel
 
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: ipvs
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-ipvs: {minSyncPeriod: 100ms, syncPeriod: 30s}
-conntrack: {maxPerCore: 0}
-"""
 PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
 Key = tuple[str, str, int]  # (proto, address, port) of a virtual server
 POD_NAMES = {f"pod{i + 1}": ip for i, ip in enumerate(PODS)}
@@ -101,7 +92,7 @@ def env(lab_module: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
         endpoint_slice("dns", [endpoint(ip) for ip in PODS], [port("dns", 8080, protocol="UDP")]),
     )
     cfg = tmp / "config.yaml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(proxy_config("ipvs"))
     proxy = ProxyProcess(
         lab_module, src, config=cfg, args=["--iptables-backend", "legacy"], workdir=tmp / "kp"
     )

@@ -16,21 +16,12 @@ from pathlib import Path
 import pytest
 
 from kproxy.lab.agent import ProbeAgent, ProbeResult
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from tests.support.objects import endpoint, endpoint_slice, node, port, service, write
 
 pytestmark = pytest.mark.kernel
 
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: ipvs
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-ipvs: {minSyncPeriod: 100ms, syncPeriod: 30s}
-conntrack: {maxPerCore: 0}
-"""
 POD_IPS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
 WEB_PORTS = [port("http", 80, "http")]
 SLICE_PORTS = [port("http", 8080)]
@@ -78,7 +69,7 @@ def env(lab_module: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
     source.mkdir()
     write(source / "node.yaml", node())
     config = tmp / "config.yaml"
-    config.write_text(CONFIG)
+    config.write_text(proxy_config("ipvs"))
     proxy = ProxyProcess(lab_module, source, config=config, workdir=tmp / "kproxy")
     proxy.start(timeout=60)
     try:

@@ -29,7 +29,7 @@ import pytest
 from kproxy.dataplane.userspace.control import WORKER_MODULE
 from kproxy.dataplane.userspace.render import ROUTE_TABLE, RULE_PRIORITY
 from kproxy.lab.load import LoadHarness, LoadResult
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from kproxy.leftovers import clean_leftovers
 from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
@@ -38,16 +38,6 @@ from tests.support.uml import Guest
 
 pytestmark = pytest.mark.kernel
 
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-ipvs: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-iptables: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-conntrack: {{maxPerCore: 0}}
-"""
 PODS = ("10.244.0.2", "10.244.0.3", "10.244.0.4")
 WEB = ("10.96.0.10", 80)
 DNS = ("10.96.0.53", 53)
@@ -79,7 +69,7 @@ def start(lab: Lab, tmp: Path, mode: str) -> ProxyProcess:
         endpoint_slice("dns", [endpoint(ip) for ip in PODS], [port("dns", 8080, protocol="UDP")]),
     )
     cfg = tmp / f"{mode}.yaml"
-    cfg.write_text(CONFIG.format(mode=mode))
+    cfg.write_text(proxy_config(mode))
     proxy = ProxyProcess(
         lab, src, config=cfg, args=["--iptables-backend", "legacy"], workdir=tmp / "kp"
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore
 from kproxy.lab.load import LoadHarness, LoadResult
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab, LabNode
 from kproxy.sources.clientsettings import ClientSettings
 
@@ -23,21 +23,6 @@ SERVICE = "web"
 NAMESPACE = "default"
 NODE_PORT = 30080
 ZONE_LABEL = "topology.kubernetes.io/zone"
-BASE_CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: {node}
-clusterCIDR: 10.244.0.0/16
-clientConnection: {{kubeconfig: {kubeconfig}}}
-conntrack: {{maxPerCore: 0}}
-"""
-# Tests want a change in the rules within a fraction of a second, not upstream's 1 s.
-FAST_SYNC = """\
-iptables: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-nftables: {{minSyncPeriod: 100ms, syncPeriod: 30s}}
-"""
-CONFIG = BASE_CONFIG + FAST_SYNC
 
 
 def node_object(node: LabNode, zone: str) -> dict[str, Any]:
@@ -69,7 +54,7 @@ class ClusterLab:
     # node name -> a folder searched before PATH by that node's kproxy (a broken tool)
     path_prefixes: dict[str, Path] = field(default_factory=dict)
     backend: str = "nft"  # kproxy's --iptables-backend (UML guests: legacy)
-    fast_sync: bool = True  # FAST_SYNC's periods; False: the mode's defaults (upstream's)
+    fast_sync: bool = True  # syncs within 100 ms; False: the mode's periods (upstream's)
     start_timeout: float = 60.0  # for every proxy's first sync
     proxies: dict[str, ProxyProcess] = field(default_factory=dict)
     cluster_ip: str = ""
@@ -189,8 +174,14 @@ class ClusterLab:
         home.mkdir(parents=True, exist_ok=True)
         config = home / "config.yaml"
         kubeconfig = server.kubeconfig(home / "kubeconfig")
-        template = CONFIG if self.fast_sync else BASE_CONFIG
-        config.write_text(template.format(mode=self.mode, node=node.name, kubeconfig=kubeconfig))
+        config.write_text(
+            proxy_config(
+                self.mode,
+                node=node.name,
+                kubeconfig=kubeconfig,
+                sync_period="30s" if self.fast_sync else None,
+            )
+        )
         proxy = ProxyProcess(
             self.lab,
             None,

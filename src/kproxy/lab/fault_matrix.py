@@ -28,7 +28,7 @@ from kproxy.dataplane.anchor import CHAIN as ANCHOR_CHAIN
 from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
 from kproxy.lab.faults import StateDirFault, ToolFaults
 from kproxy.lab.load import LoadHarness, LoadResult
-from kproxy.lab.proxy import ProxyProcess
+from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
 from kproxy.server.admin import SOCKET_NAME, AdminUnavailable, call
 
@@ -37,16 +37,6 @@ MOVING = ("10.96.0.20", 80)
 MOVING_PODS = ("pod3", "pod4")
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
-CONFIG = """\
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: node1
-clusterCIDR: 10.244.0.0/16
-iptables: {{minSyncPeriod: 100ms, syncPeriod: {sync_period}s}}
-nftables: {{minSyncPeriod: 100ms, syncPeriod: {sync_period}s}}
-conntrack: {{maxPerCore: 0}}
-"""
 # Failure counters per mode, upstream's names (kproxy_sync_failures_total for every mode).
 FAILURE_METRIC = {
     "iptables": "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
@@ -163,7 +153,7 @@ class FaultRig:
             ],
         )
         config = workdir / "config.yaml"
-        config.write_text(CONFIG.format(mode=mode, sync_period=f"{sync_period:g}"))
+        config.write_text(proxy_config(mode, sync_period=f"{sync_period:g}s"))
         self.faults = ToolFaults(workdir / "faults")
         self.proxy = ProxyProcess(
             lab,

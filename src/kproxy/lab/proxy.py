@@ -19,6 +19,34 @@ from kproxy.host.netns import socket_in_netns
 from kproxy.lab.topology import Lab, LabNode
 
 
+def proxy_config(
+    mode: str | None,
+    *,
+    node: str = "node1",
+    sync_period: str | None = "30s",
+    kubeconfig: str | Path | None = None,
+) -> str:
+    """The KubeProxyConfiguration a lab node's kproxy runs with: the lab's cluster CIDR, no
+    conntrack sizing (the host's sysctls are not the lab's to change) and, unless
+    `sync_period` is None, syncs within 100 ms of a change (tests want a change in the rules
+    within a fraction of a second, not upstream's 1 s). `mode` None: the default mode."""
+    lines = [
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1",
+        "kind: KubeProxyConfiguration",
+        *([f"mode: {mode}"] if mode is not None else []),
+        f"hostnameOverride: {node}",
+        "clusterCIDR: 10.244.0.0/16",
+        *([f"clientConnection: {{kubeconfig: {kubeconfig}}}"] if kubeconfig else []),
+        *(
+            f"{section}: {{minSyncPeriod: 100ms, syncPeriod: {sync_period}}}"
+            for section in ("iptables", "nftables", "ipvs")
+            if sync_period is not None
+        ),
+        "conntrack: {maxPerCore: 0}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 class ProxyProcess:
     """`kproxy run` inside a lab node's namespace (the first node unless `node` is given),
     with its own state dir and log file."""

@@ -20,11 +20,13 @@ Here the per-service state is map elements, and the chains are few and shared:
                                 everything else picks 1 of the M local endpoints
     dnat/nodeport/N, dnat/nodeport-local/N/M   the same for NodePorts
 
-  A pick is one rule: `dnat to ip daddr . meta l4proto . th dport . numgen random mod N
-  map @service-endpoints` (NodePorts: `meta l4proto . th dport . numgen ... map
-  @nodeport-endpoints`), whose elements map each destination and slot 0..N-1 to an
-  endpoint; a Local policy's local endpoints take slots N..N+M-1 of the same destination
-  (`numgen random mod M offset N`).
+  A pick is one rule per protocol: `meta l4proto udp dnat to ip daddr . meta l4proto .
+  th dport . numgen random mod N map @service-endpoints-udp` (NodePorts: `meta l4proto .
+  th dport . numgen ... map @nodeport-endpoints-udp`), whose elements map each destination
+  and slot 0..N-1 to an endpoint; a Local policy's local endpoints take slots N..N+M-1 of
+  the same destination (`numgen random mod M offset N`). The maps are per protocol because
+  a map's data type names the protocol of its port, and nft lets the DNAT match only that
+  protocol (plan.py).
 * hairpin: an endpoint that reaches itself through a service is masqueraded as upstream's
   endpoint chains do it; the check moves to `masquerading` (nat postrouting), where the
   chosen endpoint is known: `ct status dnat ip saddr . ip daddr @hairpin-endpoints`, with
@@ -88,7 +90,7 @@ def compact_setup(upstream: TableSetup) -> TableSetup:
         table=n.COMPACT_TABLE,
         table_comment=n.COMPACT_TABLE_COMMENT,
         service_containers=COMPACT_SERVICE_CONTAINERS,
-        early_containers=(n.HAIRPIN_SET, n.SERVICE_ENDPOINTS_MAP, n.NODEPORT_ENDPOINTS_MAP),
+        early_containers=(n.HAIRPIN_SET, *n.ENDPOINT_MAPS),
         masquerade_rules=tuple(rules),
         netlink_element_adds=True,
     )
@@ -138,6 +140,7 @@ class CompactPlanner(NftablesPlanner):
         r = port_reach(sp, self.node_ip)
         elements, fw = filter_side(sp, r)
         spn = str(sp.name)
+        proto = sp.protocol.lower
         shared: list[str] = []
 
         def dispatch(container: str, key: str, chain: str, lists: tuple[tuple[Endpoint, ...], ...]):
@@ -146,12 +149,14 @@ class CompactPlanner(NftablesPlanner):
                 if container == n.SERVICE_ENDPOINTS_MAP
                 else (n.SERVICE_NODEPORTS_MAP)
             )
+            endpoints_map = n.endpoint_map(container, proto)
             # The comment names the service port: the shared chain does not (readers).
             elements.append(Element(value_map, key, f"goto {chain}", spn))
             slot = 0
             for endpoints in lists:
                 for ep in endpoints:
-                    elements.append(Element(container, f"{key} . {slot}", f"{ep.ip} . {ep.port}"))
+                    value = f"{ep.ip} . {ep.port}"
+                    elements.append(Element(endpoints_map, f"{key} . {slot}", value))
                     slot += 1
             if chain not in shared:
                 shared.append(chain)
@@ -210,33 +215,35 @@ class CompactPlanner(NftablesPlanner):
             (PORT_KEY, n.NODEPORT_ENDPOINTS_MAP) if by_port else (ADDR_KEY, n.SERVICE_ENDPOINTS_MAP)
         )
 
-        def pick(count: int, offset: int = 0) -> str:
+        def pick(count: int, offset: int = 0, prefix: str = "", comment: str = "") -> list[str]:
+            """One DNAT rule per protocol, each with its protocol's map."""
             at = f" offset {offset}" if offset else ""
-            return f"dnat to {key} . numgen random mod {count}{at} map @{container}"
+            tail = f' comment "{comment}"' if comment else ""
+            return [
+                f"{prefix}meta l4proto {proto} dnat to {key} . numgen random mod {count}{at}"
+                f" map @{n.endpoint_map(container, proto)}{tail}"
+                for proto in n.ENDPOINT_MAP_PROTOCOLS
+            ]
 
         mark_masq = f"jump {n.MARK_MASQ_CHAIN}"
         detector = self.detector
         if kind == "internal":
-            rules = []
+            rules: list[str] = []
             if self.options.masquerade_all:
                 rules.append(mark_masq)
             elif detector.implemented:
                 rules.append(f"{detector.if_not_local_nft} {mark_masq}")
-            return (*rules, pick(counts[0]))
+            return (*rules, *pick(counts[0]))
         if kind in ("external", "nodeport"):
-            return (mark_masq, pick(counts[0]))
+            return (mark_masq, *pick(counts[0]))
         if kind in ("external-local", "nodeport-local"):
             cluster, local = counts
             rules = []
             if detector.implemented:
-                rules.append(
-                    f'{detector.if_local_nft} {pick(cluster)} comment "short-circuit pod traffic"'
-                )
+                rules += pick(cluster, 0, f"{detector.if_local_nft} ", "short-circuit pod traffic")
             rules.append(f'fib saddr type local {mark_masq} comment "masquerade local traffic"')
-            rules.append(
-                f'fib saddr type local {pick(cluster)} comment "short-circuit local traffic"'
-            )
+            rules += pick(cluster, 0, "fib saddr type local ", "short-circuit local traffic")
             if local:
-                rules.append(pick(local, cluster))
+                rules += pick(local, cluster)
             return tuple(rules)
         raise ValueError(f"not a shared chain of the compact layout: {name!r}")

@@ -61,13 +61,28 @@ MASQUERADING_CHAIN = "masquerading"
 # kernel at once during a switch between them; "kproxy-" marks it as kproxy's for cleanup.
 COMPACT_TABLE = "kproxy-compact"
 COMPACT_TABLE_COMMENT = "rules for kproxy (compact nftables layout)"
+# The endpoint maps, one per transport protocol ("service-endpoints-udp"): a map's data
+# names its protocol's port, and nft makes the DNAT match that protocol only.
 SERVICE_ENDPOINTS_MAP = "service-endpoints"
 NODEPORT_ENDPOINTS_MAP = "nodeport-endpoints"
+ENDPOINT_MAP_PROTOCOLS = ("tcp", "udp", "sctp")
 HAIRPIN_SET = "hairpin-endpoints"
 # Its dispatch chains, shared by every service port with the same endpoint counts:
 # "dnat/internal/3", "dnat/external-local/3/1". The "/" makes them service chains to the
 # writer (created when first used, flushed and deleted when no longer used).
 SHARED_PREFIX = "dnat/"
+
+
+def endpoint_map(base: str, proto: str) -> str:
+    """The endpoint map of a protocol: endpoint_map(SERVICE_ENDPOINTS_MAP, "udp")."""
+    return f"{base}-{proto}"
+
+
+ENDPOINT_MAPS = tuple(
+    endpoint_map(base, proto)
+    for base in (SERVICE_ENDPOINTS_MAP, NODEPORT_ENDPOINTS_MAP)
+    for proto in ENDPOINT_MAP_PROTOCOLS
+)
 
 
 def hash_and_truncate(name: str) -> str:

@@ -108,36 +108,39 @@ CONTAINERS = {
     n.SERVICE_NODEPORTS_MAP: ("map", PORT_VMAP_TYPE, "NodePort traffic"),
 }
 # The compact layout's containers (compact.py). The endpoint maps are declared with
-# `typeof`: a numgen value has no named type nft accepts in a concatenation. Their data
-# says `tcp dport` for any protocol (the type is inet_service either way): nft 1.0.6 cannot
-# read `th dport` back there and then rejects every later transaction on the table.
-CONTAINERS.update(
-    {
-        n.SERVICE_ENDPOINTS_MAP: (
+# `typeof`: a numgen value has no named type nft accepts in a concatenation. There is one
+# map per protocol because the data must name it: nft 1.0.6 cannot read `th dport` back
+# there (it then rejects every later transaction on the table), and a `tcp dport` in the
+# data makes nft put `meta l4proto tcp` in front of the DNAT of every rule using the map.
+_ENDPOINT_MAP_TYPES = {
+    n.SERVICE_ENDPOINTS_MAP: (
+        "ip daddr . meta l4proto . th dport . numgen random mod 1",
+        f"{ADDR_TYPE} . inet_proto . inet_service . numgen",
+        "endpoint of a service address by its numgen slot",
+    ),
+    n.NODEPORT_ENDPOINTS_MAP: (
+        "meta l4proto . th dport . numgen random mod 1",
+        "inet_proto . inet_service . numgen",
+        "endpoint of a service nodeport by its numgen slot",
+    ),
+}
+for _base, (_key, _, _comment) in _ENDPOINT_MAP_TYPES.items():
+    for _proto in n.ENDPOINT_MAP_PROTOCOLS:
+        CONTAINERS[n.endpoint_map(_base, _proto)] = (
             "map",
-            "typeof ip daddr . meta l4proto . th dport . numgen random mod 1"
-            " : ip daddr . tcp dport",
-            "endpoint of a service address by its numgen slot",
-        ),
-        n.NODEPORT_ENDPOINTS_MAP: (
-            "map",
-            "typeof meta l4proto . th dport . numgen random mod 1 : ip daddr . tcp dport",
-            "endpoint of a service nodeport by its numgen slot",
-        ),
-        n.HAIRPIN_SET: (
-            "set",
-            f"{ADDR_TYPE} . {ADDR_TYPE}",
-            "endpoint IP . the same IP: a connection an endpoint makes to itself",
-        ),
-    }
+            f"typeof {_key} : ip daddr . {_proto} dport",
+            f"{_comment} ({_proto})",
+        )
+CONTAINERS[n.HAIRPIN_SET] = (
+    "set",
+    f"{ADDR_TYPE} . {ADDR_TYPE}",
+    "endpoint IP . the same IP: a connection an endpoint makes to itself",
 )
 # Key and value types of the containers declared with typeof, in netlink.encode_key's terms.
 NETLINK_TYPES = {
-    n.SERVICE_ENDPOINTS_MAP: (
-        f"{ADDR_TYPE} . inet_proto . inet_service . numgen",
-        f"{ADDR_TYPE} . inet_service",
-    ),
-    n.NODEPORT_ENDPOINTS_MAP: ("inet_proto . inet_service . numgen", f"{ADDR_TYPE} . inet_service"),
+    n.endpoint_map(base, proto): (key_type, f"{ADDR_TYPE} . inet_service")
+    for base, (_, key_type, _) in _ENDPOINT_MAP_TYPES.items()
+    for proto in n.ENDPOINT_MAP_PROTOCOLS
 }
 
 
@@ -165,8 +168,7 @@ SERVICE_CONTAINERS = (
 )
 COMPACT_SERVICE_CONTAINERS = (
     *SERVICE_CONTAINERS,
-    n.SERVICE_ENDPOINTS_MAP,
-    n.NODEPORT_ENDPOINTS_MAP,
+    *n.ENDPOINT_MAPS,
     n.HAIRPIN_SET,
 )
 # Either layout's: what a writer of elements treats as service-owned.

@@ -12,8 +12,9 @@ The layout has no counters; rules that carry a `counter` statement are read if p
 kproxy's compact layout (dataplane/nftables/compact.py, `table ip kproxy-compact`, the
 dataplane "nftables-compact") has the same maps, but their verdicts go to shared chains
 (`dnat/internal/N`, `dnat/external-local/N/M`, …) whose rules DNAT with
-`… . numgen random mod N [offset K] map @service-endpoints` (NodePorts: @nodeport-endpoints):
-a service's endpoints are the elements of its destination and slots K..K+N-1. Shared
+`… . numgen random mod N [offset K] map @service-endpoints-PROTO` (NodePorts:
+@nodeport-endpoints-PROTO), one rule and map per protocol: a service's endpoints are the
+elements of its destination and slots K..K+N-1 in its protocol's map. Shared
 chains name no service: the @service-ips / @service-nodeports elements name it in their
 comment.
 """
@@ -31,7 +32,12 @@ from kproxy.dataplane.nftables.layouts import (
     TABLES,
     dataplane_name,
 )
-from kproxy.dataplane.nftables.names import SHARED_PREFIX, is_shared_chain, service_port_of
+from kproxy.dataplane.nftables.names import (
+    ENDPOINT_MAP_PROTOCOLS,
+    SHARED_PREFIX,
+    is_shared_chain,
+    service_port_of,
+)
 from kproxy.ops.inspect.kernel import KernelSource
 from kproxy.ops.inspect.model import (
     ANY_ADDRESS,
@@ -56,8 +62,6 @@ NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
 FIREWALL_IPS = "firewall-ips"
 SERVICES_CHAIN = "services"
 REJECT_CHAIN = "reject-chain"
-SERVICE_ENDPOINTS = "service-endpoints"
-NODEPORT_ENDPOINTS = "nodeport-endpoints"
 VERDICTS = ("accept", "drop", "continue", "return", "jump", "goto", "queue", "reject")
 
 
@@ -397,6 +401,7 @@ class Pick:
     container: str
     conditional: bool
     rule: NftRule
+    proto: str | None  # the protocol whose packets the rule takes (None: any)
 
 
 def shared_picks(chain: NftChain) -> list[Pick]:
@@ -413,17 +418,31 @@ def shared_picks(chain: NftChain) -> list[Pick]:
             gen = next((p["numgen"] for p in parts if isinstance(p, dict) and "numgen" in p), None)
             if not isinstance(gen, dict):
                 continue
-            conditional = any(isinstance(x, dict) and "match" in x for x in rule.expr)
+            matches = [x["match"] for x in rule.expr if isinstance(x, dict) and "match" in x]
+            protos = [str(mt.get("right")) for mt in matches if _is_l4proto_match(mt)]
+            protos += [
+                p["payload"]["protocol"]
+                for p in parts
+                if isinstance(p, dict)
+                and isinstance(p.get("payload"), dict)
+                and p["payload"].get("protocol") in ENDPOINT_MAP_PROTOCOLS
+            ]
             out.append(
                 Pick(
                     int(gen.get("mod", 0)) or 1,
                     int(gen.get("offset", 0) or 0),
                     str(m["data"])[1:],
-                    conditional,
+                    len(matches) > sum(map(_is_l4proto_match, matches)),
                     rule,
+                    protos[0] if protos else None,
                 )
             )
     return out
+
+
+def _is_l4proto_match(m: dict[str, Any]) -> bool:
+    left = m.get("left")
+    return m.get("op") in ("==", "in") and left == {"meta": {"key": "l4proto"}}
 
 
 class NftablesView:
@@ -650,7 +669,7 @@ class NftablesView:
         """A compact layout's shared chain: the pick that traffic from outside the node
         gets (the unconditional one; a Local policy's is offset past the cluster slots)."""
         vs.scheduler = "numgen"
-        picks = shared_picks(chain)
+        picks = [p for p in shared_picks(chain) if p.proto in (None, vs.proto)]
         final = next((p for p in reversed(picks) if not p.conditional), None)
         if chain.name.startswith(tuple(SHARED_PREFIX + k for k in ("external-", "nodeport-"))):
             vs.local_only = True

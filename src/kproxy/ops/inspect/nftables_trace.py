@@ -12,8 +12,9 @@ Statements are evaluated as far as kube-proxy's rules need (payload addresses an
 meta l4proto / mark, ct state, fib … type local, named and anonymous sets and verdict maps,
 mark arithmetic). `numgen random mod N vmap {…}` forks into one branch per entry (1/N
 each), and so does the compact layout's `dnat to … . numgen random mod N map @M`, one per
-slot element. Affinity sets are looked up in their elements as listed (with their timeouts), so
-the walk knows whether this client sticks. Other tables in the ruleset are not evaluated.
+slot element (its rule per protocol only for packets of that protocol). Affinity sets are
+looked up in their elements as listed (with their timeouts), so the walk knows whether
+this client sticks. Other tables in the ruleset are not evaluated.
 """
 
 from __future__ import annotations
@@ -406,6 +407,8 @@ class NftWalker:
         data = lookup.get("data") if isinstance(lookup, dict) else None
         gen = parts[-1].get("numgen") if parts and isinstance(parts[-1], dict) else None
         nset = self.table.sets.get(data[1:]) if isinstance(data, str) else None
+        if any(_transport(x) not in (None, pkt.proto) for x in parts or []):
+            return None  # `udp dport` in the key: nft matches udp first (meta l4proto)
         head = [self._value(x, br, pkt) for x in (parts or [])[:-1]]
         if not isinstance(gen, dict) or nset is None or any(v is UNKNOWN for v in head):
             notes.append(f"cannot evaluate dnat to {expr_text(addr)}; assuming no element")
@@ -643,6 +646,13 @@ class NftWalker:
 def _norm(x: Any) -> str:
     text = str(x).lower()
     return PROTO_NUMBERS.get(text, text)
+
+
+def _transport(e: Any) -> str | None:
+    """The protocol of a `tcp|udp|sctp dport` payload expression (None for others)."""
+    arg = e.get("payload") if isinstance(e, dict) else None
+    proto = arg.get("protocol") if isinstance(arg, dict) else None
+    return proto if proto in ("tcp", "udp", "sctp") else None
 
 
 def _value_text(value: Any) -> str:

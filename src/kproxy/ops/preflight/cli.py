@@ -108,7 +108,6 @@ def preflight_command(
     Exit codes: 0 safe (nothing blocks; warnings and info do not), 1 blocked (at least one
     finding of severity block), 2 usage error (unknown mode, missing file).
     """
-    from kproxy.ops.preflight.run import run_preflight
 
     try:
         target = check_mode_name(to)
@@ -126,9 +125,33 @@ def preflight_command(
     except UsageError as err:
         raise fail(str(err), EXIT_USAGE) from None
     own = (config_path, source, current, netns, backup, hostname)
+    ask = not no_daemon and all(v is None for v in own)
+    result = running_or_read(
+        inputs, target, ask=ask, backup="write", current_mode=current, backup_path=backup
+    )
+    if as_json:
+        typer.echo(result.to_json())
+    else:
+        result.print_text()
+    raise typer.Exit(result.exit_code)
+
+
+def running_or_read(
+    inputs: OpsInputs,
+    target: str,
+    *,
+    ask: bool,
+    backup: str,
+    current_mode: str | None = None,
+    backup_path: Path | None = None,
+) -> PreflightResult:
+    """The preflight of a switch to `target`: the running kproxy's own when `ask` and one
+    answers, else read here from `inputs`; the notes of both ways first."""
+    from kproxy.ops.preflight.run import run_preflight
+
     result = None
-    if not no_daemon and all(v is None for v in own):
-        result, note = ask_running(inputs, target, backup="write")
+    if ask:
+        result, note = ask_running(inputs, target, backup=backup)
         inputs = replace(inputs, notes=(*inputs.notes, note)) if note else inputs
     if result is None:
         result = run_preflight(
@@ -138,16 +161,12 @@ def preflight_command(
             source=inputs.source,
             state_dir=inputs.state_dir,
             status=inputs.status,
-            current_mode=current,
+            current_mode=current_mode,
             node_name=inputs.node_name,
-            backup_path=backup,
+            backup_path=backup_path,
         )
     result.notes = [*inputs.notes, *result.notes]
-    if as_json:
-        typer.echo(result.to_json())
-    else:
-        result.print_text()
-    raise typer.Exit(result.exit_code)
+    return result
 
 
 def ask_running(
@@ -232,8 +251,6 @@ def switch_gate(to: str, inputs: OpsInputs, *, force: bool) -> SwitchGate | None
     """Run preflight for `kproxy switch --to`. None when there is nothing to check here:
     no kproxy answers (the switch call reports that), or --to previous without a previous
     mode (the proxy answers that). Raises UsageError for bad arguments."""
-    from kproxy.ops.preflight.run import run_preflight
-
     own_inputs = inputs.config_path or inputs.source or inputs.netns
     inputs = with_running_proxy(inputs)
     status = inputs.status
@@ -243,22 +260,8 @@ def switch_gate(to: str, inputs: OpsInputs, *, force: bool) -> SwitchGate | None
     if not target:
         return None
     target = check_mode_name(target)
-    result = None
-    if own_inputs is None:
-        # The switch records the dataplane itself when it starts: no backup here.
-        result, note = ask_running(inputs, target, backup="switch")
-        inputs = replace(inputs, notes=(*inputs.notes, note)) if note else inputs
-    if result is None:
-        result = run_preflight(
-            target,
-            access=inputs.access(),
-            config_path=inputs.config_path,
-            source=inputs.source,
-            state_dir=inputs.state_dir,
-            status=status,
-            node_name=inputs.node_name,
-        )
-    result.notes = [*inputs.notes, *result.notes]
+    # The switch records the dataplane itself when it starts: no backup here.
+    result = running_or_read(inputs, target, ask=not own_inputs, backup="switch")
     gate = SwitchGate(target, result, force)
     if not result.safe and force:
         ids = ", ".join(f.id for f in result.blocking)
