@@ -366,6 +366,30 @@ class TestLineage:
         assert log.between(start, two) is None
         assert log.between(two, two) == frozenset()
 
+    def test_services_keep_the_order_of_a_snapshot_built_from_scratch(
+        self, tracker: ChangeTracker
+    ) -> None:
+        objs = [*two_services(), service("c", cluster_ip="10.96.0.3")]
+        put(tracker, *objs)
+        tracker.snapshot()
+        changes = [
+            eslice("b-1", "b", endpoints=[endpoint("10.2.0.9")]),  # same port names
+            service("aa", cluster_ip="10.96.0.4"),  # a new name between others
+            service("b", cluster_ip="10.96.0.2", ports=[sport("p2", 81), sport("p1", 80)]),
+        ]
+        for obj in changes:
+            put(tracker, obj)
+            objs = [o for o in objs if key_of(o) != key_of(obj)] + [obj]
+            got = tracker.snapshot()
+            want = snapshot_from_objects(objs, NODE_NAME)
+            assert list(got.services.items()) == list(want.services.items())
+        delete(tracker, SERVICE, "aa")
+        objs = [o for o in objs if o["metadata"]["name"] != "aa"]
+        got = tracker.snapshot()
+        assert list(got.services.items()) == list(
+            snapshot_from_objects(objs, NODE_NAME).services.items()
+        )
+
 
 # --- snapshot_from_objects ---------------------------------------------------------------------
 

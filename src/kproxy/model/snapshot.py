@@ -71,6 +71,8 @@ class ChangeTracker:
         self._dirty: set[str] = set()
         self._all_dirty = True
         self._ports: dict[str, tuple[ServicePort, ...]] = {}
+        # The services of the last snapshot (its dict is the snapshot's; never changed).
+        self._view: dict[ServicePortName, ServicePort] | None = None
         self._generation = 0
         self._changes = ChangeLog()
         self.counts = ChangeCounts()
@@ -201,24 +203,39 @@ class ChangeTracker:
             all_dirty = self._all_dirty
             dirty = set(self._services) | set(self._ports) if all_dirty else self._dirty
             changed: set[ServicePortName] = set()
+            same_names = not all_dirty  # every re-derived service kept its port names
             for svc_key in dirty:
-                changed.update(sp.name for sp in self._ports.get(svc_key, ()))
+                before = [sp.name for sp in self._ports.get(svc_key, ())]
+                changed.update(before)
                 svc = self._services.get(svc_key)
                 if svc is None:
                     self._ports.pop(svc_key, None)
+                    same_names = same_names and not before
                     continue
                 slices = [self._slices[k] for k in sorted(self._slices_by_service.get(svc_key, ()))]
                 ports = self._ports[svc_key] = build_service_ports(svc, slices, node)
-                changed.update(sp.name for sp in ports)
+                after = [sp.name for sp in ports]
+                changed.update(after)
+                same_names = same_names and before == after
             self._dirty = set()
             self._all_dirty = False
             if all_dirty or changed:
                 self._changes.record(None if all_dirty else frozenset(changed))
             lineage = Lineage(self._changes, self._changes.seq)
-            services: dict[ServicePortName, ServicePort] = {}
-            for key in sorted(self._ports):
-                for sp in self._ports[key]:
-                    services[sp.name] = sp
+            services: dict[ServicePortName, ServicePort]
+            if same_names and self._view is not None:
+                # The last snapshot's names in the same order: a copy of its mapping (no
+                # rehashing of every name) with the re-derived ports' new values.
+                services = self._view.copy()
+                for svc_key in dirty:
+                    for sp in self._ports.get(svc_key, ()):
+                        services[sp.name] = sp
+            else:
+                services = {}
+                for key in sorted(self._ports):
+                    for sp in self._ports[key]:
+                        services[sp.name] = sp
+            self._view = services
             trigger_times: dict[str, float] = {}
             for sl in self._slices.values():
                 if sl.trigger_time is not None:
