@@ -25,6 +25,9 @@ wall times (a loaded machine stretches wall times, CPU much less) and the proces
 `--services 1000,10000,20000 --layout compact --bare --no-probes` is the compact layout's
 scaling run.
 
+Every sync runs as the daemon's sync loop runs it: with the cyclic garbage collector paused,
+and a full sync followed by settling the heap (kproxy.memory; its time is shown apart).
+
 Run as root from the repository: `.venv/bin/python -m bench.nft_incremental --services 1000,10000`.
 Every nft command runs inside the bench namespace (bench/netns.py); nothing else is touched.
 """
@@ -41,6 +44,7 @@ from collections.abc import Callable
 from bench import netns, workload
 from kproxy.dataplane.facts import RuleOptions
 from kproxy.dataplane.nftables.proxier import NftablesDataplane
+from kproxy.memory import collector_paused, settle_after_full_sync
 from kproxy.model.snapshot import ChangeTracker
 
 LIBNFT_PROBE = r"""
@@ -150,13 +154,16 @@ def one_size(
         )
         snapshot = t.snapshot()
         start, cpu, rss = time.perf_counter(), time.process_time(), peak_rss_mb()
-        dp.sync(snapshot, full=True)
+        with collector_paused():
+            dp.sync(snapshot, full=True)
+        took, took_cpu = time.perf_counter() - start, time.process_time() - cpu
+        settled = settle_after_full_sync()
         steps = len(dp.backend.last_steps)  # type: ignore[attr-defined]
         tm = dp.last_timings
         print(
-            f"  full sync, kproxy fast apply: {time.perf_counter() - start:.2f} s, CPU "
-            f"{time.process_time() - cpu:.2f} s ({steps} steps; plan {tm['plan']:.2f} s, "
-            f"write {tm['write']:.2f} s, apply {tm['apply']:.2f} s; peak RSS of this process "
+            f"  full sync, kproxy fast apply: {took:.2f} s, CPU {took_cpu:.2f} s ({steps} steps; "
+            f"plan {tm['plan']:.2f} s, write {tm['write']:.2f} s, apply {tm['apply']:.2f} s; "
+            f"then heap settled in {settled:.2f} s; peak RSS of this process "
             f"{rss:.0f} -> {peak_rss_mb():.0f} MB)",
             flush=True,
         )
@@ -181,7 +188,8 @@ def one_size(
                 generation += 1
                 snap = workload.change_one(t, n // 2 + generation, generation)
                 start = time.perf_counter()
-                dp.sync(snap, full=False)
+                with collector_paused():
+                    dp.sync(snap, full=False)
                 elapsed = time.perf_counter() - start
                 if r == 0:
                     continue  # the first one also deletes the previous series' stale chains
@@ -209,8 +217,10 @@ def resyncs(dp: NftablesDataplane, ns: str, t: ChangeTracker) -> None:
         if foreign:
             subprocess.run(netns.exec_argv(ns, ["nft", "add", "table", "ip", "kpb_other"]))
         start = time.perf_counter()
-        result = dp.sync(t.snapshot(), full=True)
+        with collector_paused():
+            result = dp.sync(t.snapshot(), full=True)
         took = time.perf_counter() - start
+        settle_after_full_sync()
         print(
             f"  full resync, {label}: {took:.2f} s (kernel_unchanged={result.kernel_unchanged}, "
             f"{result.rewritten} services rewritten)",

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kproxy.model import snapshot as snapshot_mod
-from kproxy.model.objects import Protocol, ServicePort, Snapshot
+from kproxy.model.objects import ChangeLog, Lineage, Protocol, ServicePort, Snapshot
 from kproxy.model.parse import (
     IgnoredObject,
     InvalidObject,
@@ -305,6 +305,90 @@ class TestIncremental:
         counts = tracker.take_counts()
         assert (counts.service_changes, counts.endpoint_changes) == (1, 1)
         assert counts.pending_services == {"ns/b"} and counts.pending_endpoints == {"ns/a"}
+
+
+# --- what changed between snapshots (Lineage) -------------------------------------------------
+
+
+class TestLineage:
+    def test_names_the_ports_of_changed_and_deleted_services(self, tracker: ChangeTracker) -> None:
+        put(tracker, *two_services())
+        s1 = tracker.snapshot()
+        assert s1.lineage is not None
+        assert s1.lineage.changed_since(None) is None
+        put(tracker, eslice("b-1", "b", endpoints=[endpoint("10.2.0.9")]))
+        s2 = tracker.snapshot()
+        assert s2.lineage is not None
+        assert s2.lineage.changed_since(s1.lineage) == {spn("b")}
+        delete(tracker, SERVICE, "a")
+        s3 = tracker.snapshot()
+        assert s3.lineage is not None
+        assert s3.lineage.changed_since(s2.lineage) == {spn("a")}
+        assert s3.lineage.changed_since(s1.lineage) == {spn("a"), spn("b")}
+        assert s1.lineage.changed_since(s3.lineage) is None  # backwards: unknown
+
+    def test_a_snapshot_without_changes_changes_nothing(self, tracker: ChangeTracker) -> None:
+        put(tracker, *two_services())
+        s1, s2 = tracker.snapshot(), tracker.snapshot()
+        assert s1.lineage is not None and s2.lineage is not None
+        assert s2.lineage.changed_since(s1.lineage) == frozenset()
+
+    def test_unknown_across_trackers_topology_and_trimmed_history(
+        self, tracker: ChangeTracker
+    ) -> None:
+        put(tracker, *two_services())
+        s1 = tracker.snapshot()
+        other = ChangeTracker(NODE_NAME)
+        put(other, *two_services())
+        s_other = other.snapshot()
+        assert s_other.lineage is not None and s1.lineage is not None
+        assert s_other.lineage.changed_since(s1.lineage) is None
+        put(tracker, node(NODE_NAME, zone="z9"))
+        s2 = tracker.snapshot()
+        assert s2.lineage is not None
+        assert s2.lineage.changed_since(s1.lineage) is None  # every port was re-derived
+        log = s2.lineage.log
+        for i in range(300):  # more steps than the log keeps
+            put(tracker, eslice("b-1", "b", endpoints=[endpoint(f"10.2.1.{i % 250}")]))
+            tracker.snapshot()
+        last = tracker.snapshot().lineage
+        assert last is not None and last.log is log
+        assert last.changed_since(s2.lineage) is None
+        assert last.changed_since(Lineage(log, last.seq - 1)) == {spn("b")}
+
+    def test_the_log_forgets_steps_beyond_its_name_budget(self) -> None:
+        log = ChangeLog(keep=10, keep_names=3)
+        names = [spn(c) for c in "abcd"]
+        start = log.record(None)
+        one = log.record(frozenset(names[:2]))
+        two = log.record(frozenset(names[2:]))  # 4 names: the first step is forgotten
+        assert log.between(one, two) == frozenset(names[2:])
+        assert log.between(start, two) is None
+        assert log.between(two, two) == frozenset()
+
+    def test_services_keep_the_order_of_a_snapshot_built_from_scratch(
+        self, tracker: ChangeTracker
+    ) -> None:
+        objs = [*two_services(), service("c", cluster_ip="10.96.0.3")]
+        put(tracker, *objs)
+        tracker.snapshot()
+        changes = [
+            eslice("b-1", "b", endpoints=[endpoint("10.2.0.9")]),  # same port names
+            service("aa", cluster_ip="10.96.0.4"),  # a new name between others
+            service("b", cluster_ip="10.96.0.2", ports=[sport("p2", 81), sport("p1", 80)]),
+        ]
+        for obj in changes:
+            put(tracker, obj)
+            objs = [o for o in objs if key_of(o) != key_of(obj)] + [obj]
+            got = tracker.snapshot()
+            want = snapshot_from_objects(objs, NODE_NAME)
+            assert list(got.services.items()) == list(want.services.items())
+        delete(tracker, SERVICE, "aa")
+        objs = [o for o in objs if o["metadata"]["name"] != "aa"]
+        got = tracker.snapshot()
+        assert list(got.services.items()) == list(
+            snapshot_from_objects(objs, NODE_NAME).services.items()
+        )
 
 
 # --- snapshot_from_objects ---------------------------------------------------------------------

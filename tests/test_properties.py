@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.proxier import IptablesDataplane
 from kproxy.dataplane.ipvs.proxier import IpvsDataplane
-from kproxy.dataplane.nftables.layouts import DEFAULT_LAYOUT, LAYOUTS
+from kproxy.dataplane.nftables.layouts import DEFAULT_LAYOUT, LAYOUTS, make_planner
 from kproxy.dataplane.nftables.proxier import NftablesDataplane
 from kproxy.dataplane.registry import SPECS, RenderArgs
 from kproxy.model.objects import Snapshot
@@ -38,6 +38,7 @@ from tests.support.strategies import (
     bad_objects,
     node_facts,
     rule_options,
+    tracked_snapshots,
     valid_worlds,
 )
 from tests.support.timing import module_timer
@@ -219,6 +220,42 @@ def test_nftables_partial_syncs_end_like_a_full_one(
     clock.now += 3600
     partial.sync(after, full=False)
     assert nft_dump(partial) == nft_dump(fresh)
+
+
+@SYNCS
+@given(HISTORIES, node_facts(), rule_options())
+def test_nftables_partial_syncs_of_one_tracker_end_like_a_full_one(
+    history: list[World], facts: NodeFacts, options: RuleOptions
+) -> None:
+    """Snapshots of one tracker say what changed, and the planner visits only that: the
+    partial syncs still end where a fresh full sync does (upstream layout, fake table)."""
+    *before, after = tracked_snapshots(history, NODE)
+    clock = Clock()
+    partial, fresh = nft_plane(facts, options, clock), nft_plane(facts, options, clock)
+    partial.sync(before[0], full=True)
+    for s in [*before[1:], after]:
+        partial.sync(s, full=False)
+    fresh.sync(after, full=True)
+    clock.now += 3600
+    partial.sync(after, full=False)
+    assert nft_dump(partial) == nft_dump(fresh)
+
+
+@SYNCS
+@given(HISTORIES, node_facts(), rule_options(), st.sampled_from(sorted(LAYOUTS)))
+def test_nftables_plans_of_one_tracker_equal_a_fresh_plan(
+    history: list[World], facts: NodeFacts, options: RuleOptions, layout: str
+) -> None:
+    """Either layout: planning a tracker's snapshots one after the other (each visiting only
+    the ports that changed) gives the plan a fresh planner makes of the last one."""
+    snapshots = tracked_snapshots(history, NODE)
+    planner = make_planner(layout, facts, options)
+    for s in snapshots:
+        plan = planner.plan(s)
+    fresh = make_planner(layout, facts, options).plan(snapshots[-1])
+    assert plan.blocks == fresh.blocks
+    assert plan.shared == fresh.shared
+    assert plan.rules_total == fresh.rules_total
 
 
 def ipvs_world(facts: NodeFacts, options: RuleOptions) -> tuple[IpvsDataplane, IpvsKernel]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 from kproxy.dataplane.base import Dataplane, SyncError, SyncResult
@@ -17,10 +18,12 @@ class FakeDataplane(Dataplane):
 
     def __init__(self) -> None:
         self.calls: list[tuple[bool, int]] = []
+        self.collector_on: list[bool] = []
         self.fail = False
 
     def sync(self, snapshot: Snapshot, *, full: bool) -> SyncResult:
         self.calls.append((full, len(snapshot.services)))
+        self.collector_on.append(gc.isenabled())
         if self.fail:
             raise SyncError("kernel said no")
         return SyncResult(full=full, services=len(snapshot.services))
@@ -186,3 +189,26 @@ def test_udp_serving_map_covers_every_destination() -> None:
         ("10.99.0.53", 53): {"10.244.0.2", "10.244.0.3"},
     }
     assert ports == {30053: {"10.244.0.2", "10.244.0.3"}}
+
+
+def test_syncs_run_with_the_collector_paused_and_a_full_one_freezes_what_it_leaves() -> None:
+    plane = FakeDataplane()
+    loop = make_loop(plane, [])
+    enabled = gc.isenabled()
+    gc.enable()
+    frozen = gc.get_freeze_count()
+    try:
+        loop.on_events([event(o) for o in udp_objects(["10.244.0.2"])])
+        assert loop.sync_once()
+        assert plane.calls[-1][0] is True
+        assert gc.get_freeze_count() > frozen
+        loop.on_events([event(o) for o in udp_objects(["10.244.0.3"])])
+        plane.fail = True
+        assert not loop.sync_once()
+        assert plane.collector_on == [False, False]
+        assert gc.isenabled()
+    finally:
+        loop.stop()
+        gc.unfreeze()
+        if not enabled:
+            gc.disable()

@@ -5,6 +5,9 @@ adopts whatever rules are there and converges, without flushing anything); later
 partial unless the previous one failed, the last full sync is older than full_sync_period,
 or the dataplane reports drift. A failed apply keeps the last good rules in the kernel and
 is retried after sync_period. Nothing is flushed on exit: the dataplane outlives us.
+
+A sync runs with Python's cyclic garbage collector paused, and what a full sync leaves alive
+is frozen out of later collections (kproxy.memory says why).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol as Interface
 
 from kproxy.dataplane.base import Dataplane, SyncError, SyncResult
-from kproxy.memory import release_free_heap
+from kproxy.memory import collector_paused, settle_after_full_sync
 from kproxy.model.objects import Protocol, ServicePort, ServicePortName, Snapshot
 from kproxy.model.snapshot import ChangeCounts, ChangeTracker
 from kproxy.runner import BoundedFrequencyRunner
@@ -166,7 +169,8 @@ class ProxyLoop:
                 self.dataplane.distrust_kernel()
             started = time.monotonic()
             try:
-                result = self.dataplane.sync(snapshot, full=full)
+                with collector_paused():
+                    result = self.dataplane.sync(snapshot, full=full)
             except SyncError as err:
                 self.tracker.return_counts(counts)
                 self._record_failure(str(err), full)
@@ -210,7 +214,7 @@ class ProxyLoop:
             for obs in self.observers:
                 obs.synced(snapshot, result, took, counts)
             if result.full:
-                release_free_heap()  # a full sync's input is the daemon's largest garbage
+                settle_after_full_sync()  # a full sync's input is the daemon's largest garbage
             return True
 
     def _drifted(self) -> bool:

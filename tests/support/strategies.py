@@ -21,6 +21,9 @@ from hypothesis import strategies as st
 
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.nodepolicy import DETECT_LOCAL_MODES
+from kproxy.model.objects import Snapshot
+from kproxy.model.snapshot import ChangeTracker, object_key
+from kproxy.sources.base import ObjectEvent, ObjectKey
 from tests.support.model_objects import endpoint, eport, eslice, node, service, sport
 
 NODE = "node-a"
@@ -444,6 +447,22 @@ def _service_of(obj: dict[str, Any]) -> str:
 
 
 World = list[dict[str, Any]]
+
+
+def tracked_snapshots(history: list[World], node_name: str) -> list[Snapshot]:
+    """The snapshots of one ChangeTracker fed each world in turn (the objects that changed,
+    appeared or went as events), so that each snapshot knows what changed since the last."""
+    tracker = ChangeTracker(node_name)
+    held: dict[ObjectKey, dict[str, Any]] = {}
+    out = []
+    for world in history:
+        now = {object_key(o): o for o in world}
+        events = [ObjectEvent(k, None) for k in held if k not in now]
+        events += [ObjectEvent(k, o) for k, o in now.items() if held.get(k) != o]
+        tracker.apply(events)
+        held = now
+        out.append(tracker.snapshot())
+    return out
 
 
 @st.composite

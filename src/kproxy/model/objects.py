@@ -8,6 +8,8 @@ snapshots needs no new rules (that is how partial syncs find their work).
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -183,6 +185,72 @@ class NodeInfo:
         return ""
 
 
+class ChangeLog:
+    """Which service ports each snapshot of one tracker re-derived, for the last snapshots
+    that changed any (at most `keep` of them, naming at most `keep_names` ports together):
+    lets a consumer that planned an earlier snapshot of the same tracker visit only the
+    ports that may differ instead of every port. Older steps are forgotten (a consumer
+    that far behind compares every port)."""
+
+    def __init__(self, keep: int = 256, keep_names: int = 65_536) -> None:
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._keep_names = keep_names
+        self._names = 0  # ports named by the kept entries
+        # (seq, names changed from seq - 1 to seq; None: possibly every port)
+        self._entries: deque[tuple[int, frozenset[ServicePortName] | None]] = deque(maxlen=keep)
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    def record(self, changed: frozenset[ServicePortName] | None) -> int:
+        """Note the next snapshot (changed names, None for all); returns its seq."""
+        with self._lock:
+            self._seq += 1
+            entries = self._entries
+            if len(entries) == entries.maxlen:
+                self._names -= len(entries[0][1] or ())
+            entries.append((self._seq, changed))
+            self._names += len(changed or ())
+            while self._names > self._keep_names and len(entries) > 1:
+                self._names -= len(entries.popleft()[1] or ())
+            return self._seq
+
+    def between(self, old: int, new: int) -> frozenset[ServicePortName] | None:
+        """Ports that may differ between snapshot seq `old` and `new` (None: unknown)."""
+        if old == new:
+            return frozenset()
+        if old > new:
+            return None
+        with self._lock:
+            entries = list(self._entries)
+        if not entries or entries[0][0] > old + 1:
+            return None  # some of the steps are no longer kept
+        out: set[ServicePortName] = set()
+        for seq, changed in entries:
+            if old < seq <= new:
+                if changed is None:
+                    return None
+                out |= changed
+        return frozenset(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """Where a snapshot comes from: its tracker's change log and its place in it."""
+
+    log: ChangeLog
+    seq: int
+
+    def changed_since(self, earlier: Lineage | None) -> frozenset[ServicePortName] | None:
+        """Service ports that may differ from the earlier snapshot's (None: unknown, compare
+        them all). Says nothing about the node, which a consumer compares itself."""
+        if earlier is None or earlier.log is not self.log:
+            return None
+        return self.log.between(earlier.seq, self.seq)
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything one sync programs: service ports keyed and ordered by name."""
@@ -192,6 +260,8 @@ class Snapshot:
     rejections: tuple[Rejection, ...] = ()
     # Newest endpoints.kubernetes.io/last-change-trigger-time seen per service ("ns/name").
     trigger_times: dict[str, float] = field(default_factory=dict)
+    # Set by the ChangeTracker that built it; None for snapshots built otherwise.
+    lineage: Lineage | None = None
 
     def __hash__(self) -> int:  # dict fields make the default unhashable; identity is enough
         return id(self)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kproxy.model.objects import (
+    ChangeLog,
     Endpoint,
+    Lineage,
     NodeInfo,
     Rejection,
     ServicePort,
@@ -69,7 +71,10 @@ class ChangeTracker:
         self._dirty: set[str] = set()
         self._all_dirty = True
         self._ports: dict[str, tuple[ServicePort, ...]] = {}
+        # The services of the last snapshot (its dict is the snapshot's; never changed).
+        self._view: dict[ServicePortName, ServicePort] | None = None
         self._generation = 0
+        self._changes = ChangeLog()
         self.counts = ChangeCounts()
 
     @property
@@ -195,20 +200,42 @@ class ChangeTracker:
         """Build the current snapshot; only dirty services are re-derived."""
         with self._lock:
             node = self._node_info()
-            dirty = set(self._services) | set(self._ports) if self._all_dirty else self._dirty
+            all_dirty = self._all_dirty
+            dirty = set(self._services) | set(self._ports) if all_dirty else self._dirty
+            changed: set[ServicePortName] = set()
+            same_names = not all_dirty  # every re-derived service kept its port names
             for svc_key in dirty:
+                before = [sp.name for sp in self._ports.get(svc_key, ())]
+                changed.update(before)
                 svc = self._services.get(svc_key)
                 if svc is None:
                     self._ports.pop(svc_key, None)
+                    same_names = same_names and not before
                     continue
                 slices = [self._slices[k] for k in sorted(self._slices_by_service.get(svc_key, ()))]
-                self._ports[svc_key] = build_service_ports(svc, slices, node)
+                ports = self._ports[svc_key] = build_service_ports(svc, slices, node)
+                after = [sp.name for sp in ports]
+                changed.update(after)
+                same_names = same_names and before == after
             self._dirty = set()
             self._all_dirty = False
-            services: dict[ServicePortName, ServicePort] = {}
-            for key in sorted(self._ports):
-                for sp in self._ports[key]:
-                    services[sp.name] = sp
+            if all_dirty or changed:
+                self._changes.record(None if all_dirty else frozenset(changed))
+            lineage = Lineage(self._changes, self._changes.seq)
+            services: dict[ServicePortName, ServicePort]
+            if same_names and self._view is not None:
+                # The last snapshot's names in the same order: a copy of its mapping (no
+                # rehashing of every name) with the re-derived ports' new values.
+                services = self._view.copy()
+                for svc_key in dirty:
+                    for sp in self._ports.get(svc_key, ()):
+                        services[sp.name] = sp
+            else:
+                services = {}
+                for key in sorted(self._ports):
+                    for sp in self._ports[key]:
+                        services[sp.name] = sp
+            self._view = services
             trigger_times: dict[str, float] = {}
             for sl in self._slices.values():
                 if sl.trigger_time is not None:
@@ -216,7 +243,11 @@ class ChangeTracker:
                     trigger_times[svc] = max(trigger_times.get(svc, 0.0), sl.trigger_time)
             rejections = tuple(sorted(self._rejections.values(), key=str))
         return Snapshot(
-            node=node, services=services, rejections=rejections, trigger_times=trigger_times
+            node=node,
+            services=services,
+            rejections=rejections,
+            trigger_times=trigger_times,
+            lineage=lineage,
         )
 
     def parsed_objects(
@@ -403,11 +434,13 @@ def snapshot_from_objects(objects: Iterable[dict[str, Any]], node_name: str) -> 
 def tracker_of(objects: Iterable[dict[str, Any]], node_name: str) -> ChangeTracker:
     """A ChangeTracker fed plain object dicts once."""
     tracker = ChangeTracker(node_name)
-    events = []
-    for obj in objects:
-        kind = obj.get("kind", "")
-        meta = obj.get("metadata") or {}
-        ns = "" if kind == NODE else (meta.get("namespace") or "default")
-        events.append(ObjectEvent(ObjectKey(kind, ns, str(meta.get("name", ""))), obj))
-    tracker.apply(events)
+    tracker.apply([ObjectEvent(object_key(obj), obj) for obj in objects])
     return tracker
+
+
+def object_key(obj: dict[str, Any]) -> ObjectKey:
+    """The key a plain object dict is tracked under (namespace "default" when unset)."""
+    kind = obj.get("kind", "")
+    meta = obj.get("metadata") or {}
+    ns = "" if kind == NODE else (meta.get("namespace") or "default")
+    return ObjectKey(kind, ns, str(meta.get("name", "")))

@@ -28,7 +28,7 @@ from kproxy.dataplane.nodepolicy import (
     effective_node_port_addresses,
     local_traffic_detector,
 )
-from kproxy.model.objects import Endpoint, ServicePort, ServicePortName, Snapshot
+from kproxy.model.objects import Endpoint, Lineage, ServicePort, ServicePortName, Snapshot
 
 FAMILY = "ip"
 ADDR_TYPE = "ipv4_addr"
@@ -379,14 +379,18 @@ class NftablesPlanner:
         self._handed_out: dict[ServicePortName, ServiceBlock] | None = None
         # id(ServicePort) -> (that ServicePort, its block), for identity hits.
         self._by_id: dict[int, tuple[ServicePort, ServiceBlock]] = {}
+        # Where the last planned snapshot came from (its tracker's change log).
+        self._lineage: Lineage | None = None
 
     def plan(self, snapshot: Snapshot) -> NftablesPlan:
-        """The plan of a snapshot; blocks are in the snapshot's order (the transaction
+        """The plan of a snapshot; blocks are in no particular order (the transaction
         writer sorts what it writes).
 
-        A ServicePort the tracker kept (the same object as last time) is recognised by
-        identity without hashing its name, so an unchanged service costs a dict lookup by
-        id(); only new and changed ports are planned."""
+        When the snapshot's tracker says which ports it re-derived since the last planned
+        snapshot, only those are visited. Otherwise a ServicePort the tracker kept (the same
+        object as last time) is recognised by identity without hashing its name, so an
+        unchanged service costs a dict lookup by id(); only new and changed ports are
+        planned."""
         if snapshot.node.pod_cidrs != self._detector_cidrs:
             self._detector_cidrs = snapshot.node.pod_cidrs
             self.detector = local_traffic_detector(self.options, snapshot.node.pod_cidrs)
@@ -395,6 +399,45 @@ class NftablesPlanner:
         plan = NftablesPlan(self.setup, base=self._handed_out)
         blocks = plan.blocks if last is None else last.copy()
         plan.blocks = blocks
+        lineage = snapshot.lineage
+        changed = None if lineage is None or last is None else lineage.changed_since(self._lineage)
+        if changed is not None:
+            self._plan_changed(plan, snapshot, changed)
+        else:
+            self._plan_all(plan, snapshot, last)
+        self._lineage = lineage
+        plan.block_rules = self._rules
+        # The planner keeps its own copy: what callers do with plan.blocks cannot leak
+        # into the next plan.
+        self._last = plan.blocks.copy()
+        self._handed_out = plan.blocks
+        return plan
+
+    def _plan_changed(
+        self, plan: NftablesPlan, snapshot: Snapshot, changed: frozenset[ServicePortName]
+    ) -> None:
+        """Only the ports the snapshot's tracker re-derived since the last plan's snapshot
+        can differ from the last plan: visit those alone."""
+        blocks = plan.blocks
+        for name in sorted(changed):
+            sp = snapshot.services.get(name)
+            if sp is None or ":" in sp.cluster_ip:  # gone, or the other family
+                if blocks.pop(name, None) is not None:
+                    self._evict(name)
+                    plan.removed.add(name)
+                continue
+            block = self._block(sp)
+            if blocks.get(name) is not block:
+                plan.rebuilt.add(name)
+                blocks[name] = block
+
+    def _plan_all(
+        self,
+        plan: NftablesPlan,
+        snapshot: Snapshot,
+        last: dict[ServicePortName, ServiceBlock] | None,
+    ) -> None:
+        blocks = plan.blocks
         by_id = self._by_id
         present = 0  # ports of the snapshot that were in the last plan
         for name, sp in snapshot.services.items():
@@ -421,12 +464,6 @@ class NftablesPlanner:
                 if blocks.pop(gone, None) is not None:
                     self._evict(gone)
                     plan.removed.add(gone)
-        plan.block_rules = self._rules
-        # The planner keeps its own copy: what callers do with plan.blocks cannot leak
-        # into the next plan.
-        self._last = blocks.copy()
-        self._handed_out = blocks
-        return plan
 
     def _forget(self) -> None:
         """Drop every cached block (the rules of all of them depend on what changed)."""
