@@ -226,7 +226,7 @@ def main() -> int:
             "--inside",
             str(out),
         ]
-        result = guest.run(argv, cwd=REPO, env={"PYTHONPATH": str(REPO)})
+        result = guest.run(argv, cwd=REPO, env={"PYTHONPATH": f"{REPO / 'src'}:{REPO}"})
         text = out.read_text() if out.exists() else "[]"
     print(result.output[-4000:] if result.returncode else "", end="")
     results = json.loads(text)

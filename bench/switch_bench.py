@@ -210,7 +210,7 @@ def in_guest(args: argparse.Namespace) -> int:
     if args.port_range:
         argv += ["--port-range", args.port_range]
     with UmlGuest(mem=args.mem, timeout=args.timeout) as guest:
-        result = guest.run(argv, cwd=REPO, env={"PYTHONPATH": str(REPO)})
+        result = guest.run(argv, cwd=REPO, env={"PYTHONPATH": f"{REPO / 'src'}:{REPO}"})
     print(result.output, end="")
     if HOST_MEMORY_FAILURE in result.console:
         print(f"\nUML: {host_memory_reason()}")
