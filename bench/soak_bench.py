@@ -69,6 +69,9 @@ MIB = 1024 * 1024
 
 _t0 = time.monotonic()
 
+# userspace mode: UDP sessions closed while a reply was owed (summed over the workers).
+UNANSWERED = "udp_expired_unanswered"
+
 
 def log(msg: str) -> None:
     print(f"[{time.monotonic() - _t0:7.1f}s] {msg}", flush=True)
@@ -349,8 +352,23 @@ class Sampler:
             row["metrics_error"] = s.metrics_error
         if row.get("conntrack") is None or row["conntrack"] != row["conntrack"]:  # NaN
             row["conntrack"] = self._conntrack_fallback()
+        if row.get("mode") == "userspace":
+            row[UNANSWERED] = self._udp_unanswered()
         self.samples.append(row)
         return row
+
+    def _udp_unanswered(self) -> int | None:
+        """userspace mode: UDP sessions its workers closed while a reply was still owed
+        (from the workers' status files)."""
+        total, seen = 0, False
+        for path in (self.proxy.state_view / "userspace").glob("worker-*.json"):
+            try:
+                udp = json.loads(path.read_text()).get("udp") or {}
+            except (OSError, ValueError):
+                continue
+            total += int(udp.get("expired_unanswered") or 0)
+            seen = True
+        return total if seen else None
 
     def _conntrack_fallback(self) -> int | None:
         out = self.proxy.lab.exec(
@@ -427,6 +445,9 @@ def summarize(samples: list[dict[str, Any]], warmup: float, span: int) -> dict[s
         },
         "pids": sorted({s["pid"] for s in up}),
         "sync_failures": (up[-1].get("sync_failures") or 0) - (first[0].get("sync_failures") or 0),
+        "udp_expired_unanswered": next(
+            (r[UNANSWERED] for r in reversed(samples) if r.get(UNANSWERED) is not None), None
+        ),
     }
 
 
@@ -583,6 +604,11 @@ def table(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"conntrack entries: start {ct.get('start')}, max {ct.get('max')}, end {ct.get('end')}",
+        *(
+            [f"UDP sessions closed owing a reply: {s['udp_expired_unanswered']}"]
+            if s.get("udp_expired_unanswered") is not None
+            else []
+        ),
         "",
         "| group | fresh TCP failed/sent | UDP failed/sent | pings failed/sent "
         "| streams survived | on removed endpoint | near a change | other |",

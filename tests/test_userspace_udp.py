@@ -154,3 +154,36 @@ def test_a_handoff_reply_goes_to_the_port_the_client_sent_from(
         engine.close_all()
         for s in (endpoint, listen, seen, own):
             s.close()
+
+
+def test_sweep_relays_a_reply_that_arrived_during_a_stall_and_counts_the_unanswered(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    endpoint, listen, client = udp_socket(), udp_socket(), udp_socket()
+    engine = engine_for(loop, endpoint.getsockname(), ("10.96.0.10:53",))
+    try:
+        engine.add_listener(KEY, listen)
+        client.sendto(b"query", listen.getsockname())
+        engine.listeners[KEY].on_datagram()
+        endpoint.settimeout(2)
+        data, backend = endpoint.recvfrom(100)
+        endpoint.sendto(b"answer", backend)
+        time.sleep(0.05)  # the reply waits in the session's socket; the loop never ran
+        # The loop wakes after a stall longer than the idle timeout: the sweep runs first.
+        engine.sweep(time.monotonic() + 2 * engine.idle_timeout)
+        client.settimeout(2)
+        assert client.recvfrom(100)[0] == b"answer", "the queued reply reached the client"
+        assert engine.stats.expired_unanswered == 0
+
+        # An endpoint that never answers: the session expires owing a reply, and is counted.
+        engine.sweep(time.monotonic() + 2 * engine.idle_timeout)
+        assert engine.sessions == {}, "the answered session expired normally"
+        client.sendto(b"query-2", listen.getsockname())
+        engine.listeners[KEY].on_datagram()
+        assert endpoint.recvfrom(100)[0] == b"query-2"
+        engine.sweep(time.monotonic() + 2 * engine.idle_timeout)
+        assert engine.sessions == {} and engine.stats.expired_unanswered == 1
+    finally:
+        engine.close_all()
+        for s in (endpoint, listen, client):
+            s.close()

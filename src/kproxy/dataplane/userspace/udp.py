@@ -52,6 +52,9 @@ class UdpStats:
     sessions: int = 0
     sessions_total: int = 0
     no_endpoints: int = 0
+    # Sessions that went idle while their last datagram still had no reply: the client
+    # waited in vain (endpoint silent, or the reply came after the idle timeout).
+    expired_unanswered: int = 0
 
 
 class UdpSession:
@@ -263,6 +266,15 @@ class UdpEngine:
         """Close idle sessions."""
         limit = now - self.idle_timeout
         for session in [s for s in self.sessions.values() if s.last < limit]:
+            if session.sent > session.answered:
+                # After a stall this timer can run before the reply's reader: relay what
+                # has already arrived before judging the session idle.
+                session.on_reply()
+                if self.sessions.get((session.key, session.client)) is not session:
+                    continue  # closed by an ICMP error
+                if session.answered >= session.sent:
+                    continue  # answered just now: not idle
+                self.stats.expired_unanswered += 1
             self.close_session(session)
 
     def retarget(self) -> None:

@@ -411,6 +411,7 @@ class Worker:
                 "datagrams": u.datagrams,
                 "replies": u.replies,
                 "dropped": u.dropped,
+                "expired_unanswered": u.expired_unanswered,
             },
             "updated": time.time(),
             "reports": 1,  # answers REPORT_SIGNAL (see control.py)
