@@ -154,12 +154,21 @@ class Churn:
         self.store, self.plan, self.pool, self.node, self.rate = store, plan, pool, node, rate
         self.generation = dict.fromkeys(plan.churned, 0)
         watched = plan.measured_of(plan.churned)
-        # service -> [(monotonic time, removed pod IP)]
+        # service -> [(monotonic time, removed pod IP)], and the pods put (back) in
         self.removals: dict[int, list[tuple[float, str]]] = {i: [] for i in watched}
+        self.additions: dict[int, list[tuple[float, str]]] = {i: [] for i in watched}
         self.changes = 0
         self.behind = 0.0  # the most the schedule ever lagged, seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="churn", daemon=True)
+
+    def was_out(self, service: int, ip: str | None, when: float) -> bool:
+        """The pod had been removed from the service at `when` (the window brings every
+        pod back later: only the latest change of that pod before `when` counts)."""
+        events = [(t, True) for t, gone in self.removals.get(service, []) if gone == ip]
+        events += [(t, False) for t, came in self.additions.get(service, []) if came == ip]
+        before = [e for e in events if e[0] <= when]
+        return bool(before) and max(before)[1]
 
     def start(self) -> Churn:
         self._thread.start()
@@ -182,6 +191,7 @@ class Churn:
             if i in self.removals:
                 now = time.monotonic()
                 self.removals[i] += [(now, ip) for ip in before if ip not in after]
+                self.additions[i] += [(now, ip) for ip in after if ip not in before]
             self.changes += 1
             k += 1
             due += 1.0 / self.rate
@@ -224,7 +234,8 @@ def classify(
     targets: list[Target], churn: Churn, pod_ips: dict[str, str], grace: float
 ) -> dict[str, dict[str, Any]]:
     """Requests and failures per group; a churned service's failure is laid at its churn
-    when its stream's pod had been removed, or when it came within `grace` s of a change."""
+    when its stream's pod was out of the service at that moment, or when it came within
+    `grace` s of a change."""
     out: dict[str, dict[str, Any]] = {}
     for t in targets:
         r = t.result
@@ -270,7 +281,7 @@ def classify(
         for kind, at, err, pod in failures:
             when = zero + at
             ip = pod_ips.get(pod or "")
-            if any(removed == ip and t_rm <= when for t_rm, removed in removals):
+            if churn.was_out(t.service, ip, when):
                 cause = "failed_on_removed_endpoint"
             elif changed_near(when):
                 cause = "failed_within_grace_of_change"
