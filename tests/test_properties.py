@@ -7,11 +7,9 @@ properties against a real kernel are in test_properties_kernel.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +39,6 @@ from tests.support.strategies import (
     tracked_snapshots,
     valid_worlds,
 )
-from tests.support.timing import module_timer
 
 # About 0.1 s of CPU per example (every mode's render, or a few syncs into fakes).
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -58,11 +55,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module", autouse=True)
-def timed(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield from module_timer(request)
 
 
 def snap(objects: list[dict[str, Any]]) -> Snapshot:

@@ -52,7 +52,6 @@ from kproxy.ops.inspect.model import ANY_ADDRESS, NODE_PORT, VirtualServer
 from kproxy.ops.inspect.readers import READERS
 from tests.support.lab import LAB_SKIP_REASON, LAB_SUPPORTED
 from tests.support.strategies import NODE, World, any_world_histories, node_facts, rule_options
-from tests.support.timing import module_timer
 
 pytestmark = pytest.mark.kernel
 
@@ -110,11 +109,6 @@ def netns() -> Iterator[Namespace]:
         yield ns
     finally:
         subprocess.run(["ip", "netns", "delete", ns.name], check=False)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def timed(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield from module_timer(request)
 
 
 def snap(objects: list[dict[str, Any]]) -> Snapshot:
