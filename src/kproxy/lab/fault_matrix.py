@@ -403,9 +403,7 @@ class FaultRig:
             out.notes = str(st.get("last_error"))[:160]
         finally:
             self.faults.clear()
-        out.recover_seconds, out.recovered = self._recover()
-        out.failed_requests = self.failed_so_far() - failed0
-        out.leftovers = self.leftovers()
+        self._finish(out, failed0)
         return out
 
     def _healthz_turns_503(self, deadline: float) -> bool:
@@ -442,9 +440,7 @@ class FaultRig:
             out.notes = str(err)
         finally:
             self.faults.clear()
-        out.recover_seconds, out.recovered = self._recover()
-        out.failed_requests = self.failed_so_far() - failed0
-        out.leftovers = self.leftovers()
+        self._finish(out, failed0)
         return out
 
     def conntrack_case(self, fault: str, inject: Callable[[ToolFaults], None]) -> Outcome:
@@ -482,9 +478,7 @@ class FaultRig:
             out.notes = str(err)
         finally:
             self.faults.clear()
-        out.recover_seconds, out.recovered = self._recover()
-        out.failed_requests = self.failed_so_far() - failed0
-        out.leftovers = self.leftovers()
+        self._finish(out, failed0)
         return out
 
     def switch_case(
@@ -520,15 +514,20 @@ class FaultRig:
         if switched:
             self.mode = to
         self.move()
-        out.recover_seconds, out.recovered = self._recover()
-        out.failed_requests = self.failed_so_far() - failed0
-        out.leftovers = self.leftovers()
+        self._finish(out, failed0)
         if switched:
             back = self.switch(previous)
             if back.get("ok"):
                 self.mode = previous
             wait_for(self.converged, 30, f"back in {self.mode} after the case")
         return out
+
+    def _finish(self, out: Outcome, failed0: int) -> None:
+        """Every case's end, the fault gone: how long kproxy took to converge by itself,
+        the requests that failed during the case, and what it left behind."""
+        out.recover_seconds, out.recovered = self._recover()
+        out.failed_requests = self.failed_so_far() - failed0
+        out.leftovers = self.leftovers()
 
     def _recover(self, timeout: float = 30) -> tuple[float | None, bool]:
         started = time.monotonic()
@@ -561,9 +560,7 @@ class FaultRig:
         out.in_status = out.in_metrics = True  # nothing runs to report: the restart is the test
         out.notes = f"at {sorted(self.live_modes())}"
         self.proxy.start(timeout=30)
-        out.recover_seconds, out.recovered = self._recover()
-        out.failed_requests = self.failed_so_far() - failed0
-        out.leftovers = self.leftovers()
+        self._finish(out, failed0)
         return out
 
     def state_dir_case(self, fault: str) -> Outcome:
@@ -589,11 +586,8 @@ class FaultRig:
         finally:
             (sd.writable if fault == "read-only" else sd.free)()
         self.move()
-        out.recover_seconds, out.recovered = self._recover()
-        st = self.status()
-        out.recovered = out.recovered and not st.get("state_dir_error")
-        out.failed_requests = self.failed_so_far() - failed0
-        out.leftovers = self.leftovers()
+        self._finish(out, failed0)
+        out.recovered = out.recovered and not self.status().get("state_dir_error")
         return out
 
 
