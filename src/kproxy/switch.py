@@ -45,7 +45,7 @@ from kproxy.dataplane.base import (
     OwnedObject,
     SyncError,
 )
-from kproxy.memory import release_free_heap
+from kproxy.memory import collector_paused, release_free_heap
 from kproxy.model.objects import Protocol, Snapshot
 from kproxy.modes import MODES
 from kproxy.ops.snapshot_file import write_node_snapshot
@@ -361,7 +361,8 @@ class ModeSwitcher:
         return f"{path} (written in the background)"
 
     def _program(self, new: Dataplane, snapshot: Snapshot) -> str:
-        result = new.sync(snapshot, full=True)
+        with collector_paused():  # as the sync loop's syncs (kproxy.memory)
+            result = new.sync(snapshot, full=True)
         return f"{result.services} service ports, {result.pieces} transactions"
 
     def _verify(self, new: Dataplane, snapshot: Snapshot) -> str:

@@ -154,68 +154,71 @@ class ProxyLoop:
 
     def sync_once(self) -> bool:
         with self._lock:
-            generation = self.tracker.generation
-            snapshot = self.tracker.snapshot()
-            counts = self.tracker.take_counts()
-            now = time.time()
-            full = (
-                self._force_full
-                or self.status.last_full_sync is None
-                or now - self.status.last_full_sync >= self.full_sync_period
-                or self._drifted()
-            )
-            if self._distrust:
-                self._distrust = False
-                self.dataplane.distrust_kernel()
-            started = time.monotonic()
-            try:
-                with collector_paused():
-                    result = self.dataplane.sync(snapshot, full=full)
-            except SyncError as err:
-                self.tracker.return_counts(counts)
-                self._record_failure(str(err), full)
-                return False
-            except Exception as err:  # a bug must not kill the loop; keep the last good rules
-                log.exception("sync failed unexpectedly")
-                self.tracker.return_counts(counts)
-                self._record_failure(f"{type(err).__name__}: {err}", full)
-                return False
-            took = time.monotonic() - started
-            previous = self._applied
-            self._applied = snapshot
-            self._applied_generation = generation
-            self._force_full = False
-            st = self.status
-            st.syncs += 1
-            st.consecutive_failures = 0
-            st.last_sync = time.time()
-            st.last_duration = took
-            st.last_result = result
-            st.last_error = None
-            st.invalid_objects = len(snapshot.rejections)
-            st.history = [*st.history[-499:], (st.last_sync, result.full, took)]
-            if result.full:
-                st.full_syncs += 1
-                st.last_full_sync = st.last_sync
-            log.info(
-                "%s sync: %d service ports, %d rewritten, %d stale chains removed, %.3f s",
-                ("full" if result.full else "partial")
-                + (
-                    " (kernel unchanged since kproxy's last write)"
-                    if result.kernel_unchanged
-                    else ""
-                ),
-                result.services,
-                result.rewritten,
-                result.stale_removed,
-                took,
-            )
-            self._clean_udp_conntrack(previous, snapshot)
-            for obs in self.observers:
-                obs.synced(snapshot, result, took, counts)
-            if result.full:
-                settle_after_full_sync()  # a full sync's input is the daemon's largest garbage
-            return True
+            ok, full = self._sync_locked()
+        if ok and full:
+            # A full sync's input is the daemon's largest garbage; settled outside the lock
+            # so that a switch or the next sync does not wait for the collector.
+            settle_after_full_sync()
+        return ok
+
+    def _sync_locked(self) -> tuple[bool, bool]:
+        """One sync; (succeeded, was a full sync)."""
+        generation = self.tracker.generation
+        snapshot = self.tracker.snapshot()
+        counts = self.tracker.take_counts()
+        now = time.time()
+        full = (
+            self._force_full
+            or self.status.last_full_sync is None
+            or now - self.status.last_full_sync >= self.full_sync_period
+            or self._drifted()
+        )
+        if self._distrust:
+            self._distrust = False
+            self.dataplane.distrust_kernel()
+        started = time.monotonic()
+        try:
+            with collector_paused():
+                result = self.dataplane.sync(snapshot, full=full)
+        except SyncError as err:
+            self.tracker.return_counts(counts)
+            self._record_failure(str(err), full)
+            return False, False
+        except Exception as err:  # a bug must not kill the loop; keep the last good rules
+            log.exception("sync failed unexpectedly")
+            self.tracker.return_counts(counts)
+            self._record_failure(f"{type(err).__name__}: {err}", full)
+            return False, False
+        took = time.monotonic() - started
+        previous = self._applied
+        self._applied = snapshot
+        self._applied_generation = generation
+        self._force_full = False
+        st = self.status
+        st.syncs += 1
+        st.consecutive_failures = 0
+        st.last_sync = time.time()
+        st.last_duration = took
+        st.last_result = result
+        st.last_error = None
+        st.invalid_objects = len(snapshot.rejections)
+        st.history = [*st.history[-499:], (st.last_sync, result.full, took)]
+        if result.full:
+            st.full_syncs += 1
+            st.last_full_sync = st.last_sync
+        log.info(
+            "%s sync: %d service ports, %d rewritten, %d stale chains removed, %.3f s",
+            ("full" if result.full else "partial")
+            + (" (kernel unchanged since kproxy's last write)" if result.kernel_unchanged else ""),
+            result.services,
+            result.rewritten,
+            result.stale_removed,
+            took,
+        )
+        self._clean_udp_conntrack(previous, snapshot)
+        for obs in self.observers:
+            obs.synced(snapshot, result, took, counts)
+        return True, result.full
 
     def _drifted(self) -> bool:
         # At most once per sync period: the check costs a process (and a table read on big
