@@ -20,6 +20,7 @@ this client sticks. Other tables in the ruleset are not evaluated.
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import dataclass
 from typing import Any
 
 from kproxy.dataplane.nftables.names import service_port_of
@@ -54,6 +55,21 @@ NAMED_LOOKUPS = (
     "no-endpoint-nodeports",
     "firewall-ips",
 )
+
+
+@dataclass
+class _RuleAt:
+    """A rule under evaluation: the base chain and call frames its branch is in, the
+    packet, where finished branches go, and what the rule noted and did so far."""
+
+    base: str
+    rule: Any
+    frames: list[list[Any]]
+    br: _Branch
+    pkt: Packet
+    out: list[tuple[_Branch, str, Step | None]]
+    notes: list[str]
+    actions: list[str]
 
 
 class NftWalker:
@@ -267,7 +283,8 @@ class NftWalker:
             if op == "vmap":
                 key = arg.get("key")
                 if isinstance(key, dict) and "numgen" in key:
-                    return self._numgen(base, rule, pos, arg, frames, br, pkt, out, notes, actions)
+                    at = _RuleAt(base, rule, frames, br, pkt, out, notes, actions)
+                    return self._numgen(at, arg)
                 value = self._value(key, br, pkt)
                 data = arg.get("data")
                 found, label, comment = self._lookup(value, data)
@@ -292,7 +309,8 @@ class NftWalker:
                 step(stmt_text(stmt))
                 return self._verdict(stmt, frames, base)
             if op == "dnat" and isinstance(arg, dict) and isinstance(arg.get("addr"), dict):
-                return self._dnat_map(base, rule, arg["addr"], frames, br, pkt, out, notes, actions)
+                at = _RuleAt(base, rule, frames, br, pkt, out, notes, actions)
+                return self._dnat_map(at, arg["addr"])
             if op in ("dnat", "redirect"):
                 addr = arg.get("addr") if isinstance(arg, dict) else None
                 port = arg.get("port") if isinstance(arg, dict) else None
@@ -327,25 +345,15 @@ class NftWalker:
         step("")
         return None
 
-    def _numgen(
-        self,
-        base: str,
-        rule: Any,
-        pos: int,
-        vmap: dict[str, Any],
-        frames: list[list[Any]],
-        br: _Branch,
-        pkt: Packet,
-        out: list[tuple[_Branch, str, Step | None]],
-        notes: list[str],
-        actions: list[str],
-    ) -> str | None:
+    def _numgen(self, at: _RuleAt, vmap: dict[str, Any]) -> str | None:
+        """`numgen random mod N vmap { K : verdict, ... }` (upstream's endpoint pick): one
+        branch per listed slot, 1/N each, going on with the slot's verdict."""
         mod = int(vmap["key"]["numgen"].get("mod", 1)) or 1
         offset = int(vmap["key"]["numgen"].get("offset", 0) or 0)
         data = vmap.get("data")
         entries = data.get("set", []) if isinstance(data, dict) else None
         if entries is None:
-            notes.append("cannot evaluate a numgen vmap on a named map; assuming no element")
+            at.notes.append("cannot evaluate a numgen vmap on a named map; assuming no element")
             return None
         listed = 0
         for entry in entries:
@@ -354,54 +362,23 @@ class NftWalker:
             if not offset <= entry[0] < offset + mod:
                 continue
             listed += 1
-            taken = br.fork()
-            taken.prob = None if taken.prob is None else taken.prob / mod
-            taken.steps.append(
-                Step(
-                    self.table.name,
-                    rule.chain,
-                    rule.number,
-                    rule.text,
-                    "; ".join(
-                        [
-                            *actions,
-                            f"numgen = {entry[0]} (probability 1/{mod}): {stmt_text(entry[1])}",
-                        ]
-                    ),
-                    handle=rule.handle,
-                    notes=tuple(notes),
-                )
-            )
+            action = f"numgen = {entry[0]} (probability 1/{mod}): {stmt_text(entry[1])}"
+            taken = self._slot(at, mod, action)
             if taken.service is None:
-                taken.service = service_port_of(rule.chain) or None
-            sub = [list(f) for f in frames]
-            verdict = self._verdict(entry[1], sub, base)
+                taken.service = service_port_of(at.rule.chain) or None
+            sub = [list(f) for f in at.frames]
+            verdict = self._verdict(entry[1], sub, at.base)
             if verdict is not None:
-                out.append((taken, verdict, taken.steps[-1]))
+                at.out.append((taken, verdict, taken.steps[-1]))
             else:
-                self._exec(base, sub, taken, pkt, out)
-        if listed >= mod:
-            return "forked"
-        # numbers without an entry: the lookup misses and the rule does not match.
-        br.prob = None if br.prob is None else br.prob * (mod - listed) / mod
-        br.notes.append(f"numgen mod {mod} has only {listed} entries")
-        return None
+                self._exec(at.base, sub, taken, at.pkt, at.out)
+        return self._slots_end(at.br, mod, listed, "entries")
 
-    def _dnat_map(
-        self,
-        base: str,
-        rule: Any,
-        addr: dict[str, Any],
-        frames: list[list[Any]],
-        br: _Branch,
-        pkt: Packet,
-        out: list[tuple[_Branch, str, Step | None]],
-        notes: list[str],
-        actions: list[str],
-    ) -> str | None:
+    def _dnat_map(self, at: _RuleAt, addr: dict[str, Any]) -> str | None:
         """`dnat to KEY . numgen random mod N [offset K] map @M` (the compact layout's pick):
         one branch per slot K..K+N-1 (1/N each), DNATed to the slot's element; a slot without
         an element is a lookup miss, and the rule does not match."""
+        br, pkt = at.br, at.pkt
         lookup = addr.get("map")
         parts = (lookup.get("key") or {}).get("concat") if isinstance(lookup, dict) else None
         data = lookup.get("data") if isinstance(lookup, dict) else None
@@ -411,7 +388,7 @@ class NftWalker:
             return None  # `udp dport` in the key: nft matches udp first (meta l4proto)
         head = [self._value(x, br, pkt) for x in (parts or [])[:-1]]
         if not isinstance(gen, dict) or nset is None or any(v is UNKNOWN for v in head):
-            notes.append(f"cannot evaluate dnat to {expr_text(addr)}; assuming no element")
+            at.notes.append(f"cannot evaluate dnat to {expr_text(addr)}; assuming no element")
             return None
         mod = int(gen.get("mod", 1)) or 1
         offset = int(gen.get("offset", 0) or 0)
@@ -423,32 +400,43 @@ class NftWalker:
             if not (isinstance(value, list) and len(value) == 2):
                 continue
             listed += 1
-            taken = br.fork()
-            taken.prob = None if taken.prob is None else taken.prob / mod
-            taken.dnat = (str(value[0]), int(value[1]))
+            dnat = (str(value[0]), int(value[1]))
             key = " . ".join(str(v) for v in (*head, slot))
-            taken.steps.append(
-                Step(
-                    self.table.name,
-                    rule.chain,
-                    rule.number,
-                    rule.text,
-                    "; ".join(
-                        [
-                            *actions,
-                            f"numgen = {slot} (probability 1/{mod}): {data} element {key} : "
-                            f"DNAT to {_hostport(taken.dnat)}",
-                        ]
-                    ),
-                    handle=rule.handle,
-                    notes=tuple(notes),
-                )
+            action = (
+                f"numgen = {slot} (probability 1/{mod}): {data} element {key} : "
+                f"DNAT to {_hostport(dnat)}"
             )
-            out.append((taken, DNAT, taken.steps[-1]))
+            taken = self._slot(at, mod, action)
+            taken.dnat = dnat
+            at.out.append((taken, DNAT, taken.steps[-1]))
+        return self._slots_end(br, mod, listed, f"elements in {data}")
+
+    def _slot(self, at: _RuleAt, mod: int, action: str) -> _Branch:
+        """The branch of one numgen slot: probability 1/mod of the rule's, its step recorded."""
+        taken = at.br.fork()
+        taken.prob = None if taken.prob is None else taken.prob / mod
+        rule = at.rule
+        taken.steps.append(
+            Step(
+                self.table.name,
+                rule.chain,
+                rule.number,
+                rule.text,
+                "; ".join([*at.actions, action]),
+                handle=rule.handle,
+                notes=tuple(at.notes),
+            )
+        )
+        return taken
+
+    @staticmethod
+    def _slots_end(br: _Branch, mod: int, listed: int, what: str) -> str | None:
+        """Every slot had its branch ("forked"); else the slots without one are a lookup
+        miss, the rule does not match, and the branch goes on with their probability."""
         if listed >= mod:
             return "forked"
         br.prob = None if br.prob is None else br.prob * (mod - listed) / mod
-        br.notes.append(f"numgen mod {mod} has only {listed} elements in {data}")
+        br.notes.append(f"numgen mod {mod} has only {listed} {what}")
         return None
 
     def _verdict(self, v: Any, frames: list[list[Any]], base: str) -> str | None:
