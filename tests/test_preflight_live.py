@@ -73,6 +73,21 @@ def facts(result: PreflightResult) -> list[tuple[str, str, str, str]]:
     return sorted((f.id, f.severity.value, f.subject, f.found) for f in result.findings)
 
 
+def live_preflight(
+    fake: FakeNode, target: str, families: list[str], **settings: Any
+) -> PreflightResult:
+    """Preflight as the running kproxy answers it: its objects and programmed state given."""
+    return run_preflight(
+        target,
+        access=fake.access(),
+        families=families,
+        snapshot_taker=never_read,
+        node_name="node1",
+        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
+        **settings,
+    )
+
+
 @pytest.fixture
 def fake(tmp_path: Path) -> FakeNode:
     return FakeNode(tmp_path / "root")
@@ -93,14 +108,7 @@ def test_the_running_proxys_objects_give_the_findings_of_reading_them_again(
         node_name="node1",
         current_mode="iptables",
     )
-    live = run_preflight(
-        "nftables",
-        access=fake.access(),
-        families=families,
-        snapshot_taker=never_read,
-        node_name="node1",
-        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
-    )
+    live = live_preflight(fake, "nftables", families)
     ids = {f.id for f in read.findings}
     # every object check and the consistency check found something here
     assert {"objects.port-zero", "objects.no-endpoints", "objects.destination-collision"} <= ids
@@ -115,15 +123,8 @@ def test_the_running_proxys_objects_give_the_findings_of_reading_them_again(
 def test_a_switchs_preflight_leaves_the_backup_to_the_switch(
     fake: FakeNode, tmp_path: Path
 ) -> None:
-    result = run_preflight(
-        "nftables",
-        access=fake.access(),
-        families=["backup"],
-        snapshot_taker=never_read,
-        state_dir=tmp_path / "state",
-        node_name="node1",
-        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
-        backup_at_switch=True,
+    result = live_preflight(
+        fake, "nftables", ["backup"], state_dir=tmp_path / "state", backup_at_switch=True
     )
     assert [f.id for f in result.findings] == ["backup.at-switch"] and result.safe
     assert not (tmp_path / "state").exists()
@@ -147,28 +148,14 @@ def test_kube_chains_per_backend_by_name_without_a_save(
     monkeypatch.setattr(KernelDump, "iptables_tables_exist", lambda _dump, _flavour: True)
     fake.command(["cat", "/proc/net/ip_tables_names"], out="nat\n")
     fake.command(["iptables-legacy-save"], out="*nat\n:KUBE-SERVICES - [0:0]\nCOMMIT\n")
-    result = run_preflight(
-        "iptables",
-        access=fake.access(),
-        families=["kernel"],
-        snapshot_taker=never_read,
-        node_name="node1",
-        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
-    )
+    result = live_preflight(fake, "iptables", ["kernel"])
     both = next(f for f in result.findings if f.id == "iptables.both-backends")
     assert both.facts == {"nft": ["KUBE-SERVICES", "KUBE-SVC-AAAA"], "legacy": ["KUBE-SERVICES"]}
     assert asked == ["ip"] and ["iptables-nft-save"] not in fake.ran
 
 
 def test_a_result_survives_its_json(fake: FakeNode) -> None:
-    result = run_preflight(
-        "nftables",
-        access=fake.access(),
-        families=["objects"],
-        snapshot_taker=never_read,
-        node_name="node1",
-        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
-    )
+    result = live_preflight(fake, "nftables", ["objects"])
     again = PreflightResult.from_dict(json.loads(result.to_json()))
     assert again.to_dict() == result.to_dict() and again.findings == ordered(result.findings)
 
@@ -209,14 +196,7 @@ def test_the_preflight_op_checks_its_request(fake: FakeNode) -> None:
 def test_the_cli_asks_the_running_proxy_over_tcp_with_its_token(
     fake: FakeNode, tmp_path: Path
 ) -> None:
-    result = run_preflight(
-        "nftables",
-        access=fake.access(),
-        families=["objects"],
-        snapshot_taker=never_read,
-        node_name="node1",
-        live=live_state(objects(), "iptables", "nft", PROGRAMMED),
-    )
+    result = live_preflight(fake, "nftables", ["objects"])
     stub = daemon_stub(result)
     srv = AdminServer(
         tmp_path / "admin.sock",
