@@ -41,6 +41,21 @@ add chain inet foreign input { type filter hook input priority 0 ; }
 """
 
 
+def web_proxy(lab: Lab, tmp_path: Path, mode: str | None, args: list[str]) -> ProxyProcess:
+    """A kproxy (not started) serving one service, "web", in `mode` (None: the default)."""
+    src = tmp_path / "objects"
+    src.mkdir()
+    write(src / "node.yaml", node())
+    write(
+        src / "web.yaml",
+        service("web", "10.96.0.10", [port("http", 80, 8080)]),
+        endpoint_slice("web", [endpoint("10.244.0.2")], [port("http", 8080)]),
+    )
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(proxy_config(mode, sync_period=None))
+    return ProxyProcess(lab, src, config=cfg, args=args, workdir=tmp_path / "kp")
+
+
 def test_startup_removes_other_modes_leftovers(lab: Lab, tmp_path: Path) -> None:
     ns = lab.node_ns
 
@@ -65,19 +80,7 @@ def test_startup_removes_other_modes_leftovers(lab: Lab, tmp_path: Path) -> None
     # kube-ipvs0 of another type is not kube-proxy's and must be left alone.
     sh("ip", "link", "add", "kube-ipvs0", "type", "bridge")
 
-    src = tmp_path / "objects"
-    src.mkdir()
-    write(src / "node.yaml", node())
-    write(
-        src / "web.yaml",
-        service("web", "10.96.0.10", [port("http", 80, 8080)]),
-        endpoint_slice("web", [endpoint("10.244.0.2")], [port("http", 8080)]),
-    )
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(proxy_config(None, sync_period=None))
-    proxy = ProxyProcess(
-        lab, src, config=cfg, args=["--iptables-backend", "nft"], workdir=tmp_path / "kp"
-    )
+    proxy = web_proxy(lab, tmp_path, None, ["--iptables-backend", "nft"])
     proxy.start()
     try:
         import time
@@ -173,19 +176,7 @@ def test_nftables_mode_removes_the_other_layouts_table(
     for table in left_over:
         sh("nft", "add", "table", *table.split())
         sh("nft", "add", "chain", *table.split(), "services")
-    src = tmp_path / "objects"
-    src.mkdir()
-    write(src / "node.yaml", node())
-    write(
-        src / "web.yaml",
-        service("web", "10.96.0.10", [port("http", 80, 8080)]),
-        endpoint_slice("web", [endpoint("10.244.0.2")], [port("http", 8080)]),
-    )
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(proxy_config("nftables", sync_period=None))
-    proxy = ProxyProcess(
-        lab, src, config=cfg, args=["--nftables-layout", layout], workdir=tmp_path / "kp"
-    )
+    proxy = web_proxy(lab, tmp_path, "nftables", ["--nftables-layout", layout])
     proxy.start()
     try:
         import time
