@@ -204,7 +204,7 @@ class NftBackend:
                 index = getattr(err, "index", None)
                 raise NftError(
                     f"{where}: {err}",
-                    input_data="".join(text + "\n" for _, text in messages),
+                    input_data="".join(text() + "\n" for _, text in messages),
                     netlink_line=index,
                 ) from err
 

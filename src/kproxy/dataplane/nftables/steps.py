@@ -31,7 +31,9 @@ Adjacent nft steps are merged while small, so a typical partial sync is one nft 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from kproxy.dataplane.nftables import names
 from kproxy.dataplane.nftables import netlink as nl
@@ -133,10 +135,11 @@ def _line(where: str, op: TxOp) -> str:
     return f"{op.verb} {op.kind} {where} {op.name}{body}"
 
 
-def netlink_ops(tx: Transaction, ops: list[TxOp]) -> list[tuple[nl.Op, str]]:
+def netlink_ops(tx: Transaction, ops: list[TxOp]) -> list[tuple[nl.Op, Callable[[], str]]]:
     """Netlink messages for deletes, flushes and element adds (elements grouped per
-    container, in order), each with the nft text of what it carries (for errors)."""
-    out: list[tuple[nl.Op, str]] = []
+    container, in order), each with what makes the nft text of what it carries (for an
+    error: a full sync's 200,000 element texts are not made when nothing fails)."""
+    out: list[tuple[nl.Op, Callable[[], str]]] = []
     where = tx.where
     i = 0
     while i < len(ops):
@@ -163,23 +166,25 @@ def netlink_ops(tx: Transaction, ops: list[TxOp]) -> list[tuple[nl.Op, str]]:
                     delete=delete,
                     data_type=data_type,
                 )
-                items = [el.key for el in part] if delete else map(element_text, part)
-                out.append(
-                    (message, f"{op.verb} element {where} {op.name} {{ {', '.join(items)} }}")
-                )
+                out.append((message, partial(_elements_line, op.verb, where, op.name, part)))
             continue
         if op.verb == "delete" and op.kind == "chain":
-            out.append((nl.delete_chain(tx.table, op.name), _line(where, op)))
+            out.append((nl.delete_chain(tx.table, op.name), partial(_line, where, op)))
         elif op.verb == "flush" and op.kind == "chain":
-            out.append((nl.flush_chain(tx.table, op.name), _line(where, op)))
+            out.append((nl.flush_chain(tx.table, op.name), partial(_line, where, op)))
         elif op.verb == "delete" and op.kind in ("set", "map"):
-            out.append((nl.delete_set(tx.table, op.name), _line(where, op)))
+            out.append((nl.delete_set(tx.table, op.name), partial(_line, where, op)))
         elif op.verb == "flush" and op.kind in ("set", "map"):
-            out.append((nl.flush_set(tx.table, op.name), _line(where, op)))
+            out.append((nl.flush_set(tx.table, op.name), partial(_line, where, op)))
         else:
             raise ValueError(f"no netlink form for {op}")
         i += 1
     return out
+
+
+def _elements_line(verb: str, where: str, name: str, elements: list[Element]) -> str:
+    items = [el.key for el in elements] if verb == "delete" else map(element_text, elements)
+    return f"{verb} element {where} {name} {{ {', '.join(items)} }}"
 
 
 def split(tx: Transaction, *, chunk_ops: int = CHUNK_OPS) -> list[Step]:
