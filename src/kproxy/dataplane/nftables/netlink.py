@@ -371,9 +371,26 @@ def set_elements(
         )
     elem_head = struct.Struct("=HH")
     list_elem = NFTA_LIST_ELEM | NLA_F_NESTED
+    # Elements without a comment whose value is data (or absent) all have one length: their
+    # element header is a constant, and each element is a few pieces joined once at the end
+    # (a full sync encodes ~200,000 of them).
+    key_only_len = 4 + len(key_head) + key_len + len(key_pad)
+    key_only = elem_head.pack(key_only_len, list_elem) + key_head
+    with_data = after_key = b""
+    if data_fn is not None and data_head is not None:
+        with_data_len = key_only_len + len(data_head) + data_len + len(data_pad)
+        with_data = elem_head.pack(with_data_len, list_elem) + key_head
+        after_key = key_pad + data_head
+    items: list[bytes] = []
+    add = items.extend
     try:
-        items = []
         for key, value, comment in elements:
+            if comment is None and (delete or not value):
+                add((key_only, key_fn(key), key_pad))
+                continue
+            if comment is None and data_fn is not None:
+                add((with_data, key_fn(key), after_key, data_fn(value), data_pad))
+                continue
             body = key_head + key_fn(key) + key_pad
             if not delete:
                 if value and data_fn is not None:
