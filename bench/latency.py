@@ -1,5 +1,7 @@
 """NEW-connection latency through iptables and nftables mode at 100 and 10,000 services.
 
+Modes: iptables-nft, iptables-legacy, nftables (upstream's layout), nftables-compact.
+
 The number the seeds argue about: iptables walks KUBE-SERVICES rule by rule for the first
 packet of a connection, nftables looks the service up in a map. The measured service sits
 last in KUBE-SERVICES (its name sorts last); the others have 10 unreachable endpoints each.
@@ -20,6 +22,7 @@ import time
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import IptablesBackend
 from kproxy.dataplane.iptables.proxier import IptablesDataplane
+from kproxy.dataplane.nftables.layouts import DATAPLANES
 from kproxy.dataplane.nftables.proxier import NftablesDataplane
 from kproxy.lab.topology import Lab
 from kproxy.model.snapshot import ChangeTracker
@@ -98,8 +101,8 @@ def measure(mode: str, n: int, connections: int, repeats: int) -> dict[str, obje
         tracker = ChangeTracker("node1")
         tracker.apply(events(n, list(lab.pod_ips.values())))
         snapshot = tracker.snapshot()
-        if mode == "nftables":
-            plane = NftablesDataplane(facts, options, netns=lab.node_ns)
+        if mode in DATAPLANES:
+            plane = NftablesDataplane(facts, options, netns=lab.node_ns, layout=DATAPLANES[mode])
         else:
             plane = IptablesDataplane(
                 IptablesBackend(mode.split("-", 1)[1], netns=lab.node_ns), facts, options
@@ -135,7 +138,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--sizes", default="100,10000")
-    ap.add_argument("--modes", default="iptables-nft,iptables-legacy,nftables")
+    ap.add_argument("--modes", default="iptables-nft,iptables-legacy,nftables,nftables-compact")
     ap.add_argument("--connections", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
