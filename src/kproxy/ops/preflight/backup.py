@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kproxy.dataplane.nftables.layouts import DATAPLANES, dataplane_name
+from kproxy.dataplane.nftables.layouts import DATAPLANES, TABLES, dataplane_name
 from kproxy.ops.inspect.destinations import expected_destinations
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, block, info, warn
@@ -62,11 +62,7 @@ def nft_has_kube_proxy(text: str) -> bool:
         return False
     for item in items:
         table = item.get("table") if isinstance(item, dict) else None
-        if (
-            table
-            and table.get("name") in ("kube-proxy", "kproxy-compact")
-            and table.get("family") == "ip"
-        ):
+        if table and table.get("name") in TABLES.values() and table.get("family") == "ip":
             return True
     return False
 
