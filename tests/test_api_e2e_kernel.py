@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from kproxy.cluster.annotations import CURRENT_MODE, MODE_ANNOTATION, OBSERVED, SWITCH_STATE
+from kproxy.dataplane.nftables.layouts import LAYOUTS, TABLES, UPSTREAM, dataplane_name
 from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore
 from kproxy.lab.proxy import ProxyProcess, proxy_config
 from kproxy.lab.topology import Lab
@@ -267,21 +268,26 @@ def pods_answering(lab: Lab, ip: str, count: int = 30) -> set[str]:
     return {r.pod or f"error:{r.error}" for r in results}
 
 
-def start_kproxy(lab: Lab, c: Cluster, tmp_path: Path, mode: str = "iptables") -> ProxyProcess:
+def start_kproxy(
+    lab: Lab, c: Cluster, tmp_path: Path, mode: str = "iptables", layout: str = UPSTREAM
+) -> ProxyProcess:
+    """kproxy following the Node; nftables mode (configured or annotated) in `layout`."""
     cfg = tmp_path / "config.yaml"
     cfg.write_text(proxy_config(mode, node=c.node, kubeconfig=c.kubeconfig_for_kproxy))
-    return ProxyProcess(
-        lab, None, config=cfg, args=["--iptables-backend", "nft"], workdir=tmp_path / "kproxy"
-    ).start(timeout=30)
+    args = ["--iptables-backend", "nft", "--nftables-layout", layout]
+    return ProxyProcess(lab, None, config=cfg, args=args, workdir=tmp_path / "kproxy").start(
+        timeout=30
+    )
 
 
 def live_modes(lab: Lab) -> set[str]:
+    """The dataplanes in the node: modes, nftables mode in a layout by its dataplane name."""
     nat = lab.exec(lab.node_ns, ["iptables-nft-save", "-t", "nat"]).stdout
     modes = set()
     if "-A PREROUTING" in nat and "-j KUBE-SERVICES" in nat:
         modes.add("iptables")
-    if "kube-proxy" in lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout:
-        modes.add("nftables")
+    tables = lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout.splitlines()
+    modes |= {dataplane_name(lay) for lay, t in TABLES.items() if f"table ip {t}" in tables}
     return modes
 
 
@@ -334,12 +340,15 @@ def test_api_objects_are_proxied_and_an_outage_changes_nothing(
         proxy.stop()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_node_annotation_switches_the_mode_and_reports_back(
-    lab: Lab, cluster: LocalCluster | RealCluster, tmp_path: Path
+    lab: Lab, cluster: LocalCluster | RealCluster, tmp_path: Path, layout: str
 ) -> None:
+    """The annotation names the mode alone: nftables mode comes in the layout kproxy was
+    started with."""
     web = create_service(cluster, "web")
     set_slice(cluster, "web", PODS, create=True)
-    proxy = start_kproxy(lab, cluster, tmp_path, mode="iptables")
+    proxy = start_kproxy(lab, cluster, tmp_path, mode="iptables", layout=layout)
     try:
         assert answers(lab, web)
         wait_until(
@@ -356,17 +365,20 @@ def test_node_annotation_switches_the_mode_and_reports_back(
         )
         ann = node_annotations(cluster)
         assert ann[CURRENT_MODE] == "nftables" and ann[OBSERVED] == "nftables"
-        assert live_modes(lab) == {"nftables"}
-        assert proxy.status()["mode"] == "nftables"
+        assert live_modes(lab) == {dataplane_name(layout)}
+        status = proxy.status()
+        assert (status["mode"], status["nftables_layout"]) == ("nftables", layout)
         assert pods_answering(lab, web) == {"pod1", "pod2", "pod3"}
         reasons = [e["reason"] for e in node_events(cluster)]
         assert "ProxyModeSwitching" in reasons and "ProxyModeSwitched" in reasons
 
         # A restart comes up in the declared mode directly (no switch needed).
         proxy.stop()
-        proxy = start_kproxy(lab, cluster, tmp_path, mode="iptables")
-        assert proxy.status()["mode"] == "nftables"
-        assert proxy.status()["last_switch"] is None
+        proxy = start_kproxy(lab, cluster, tmp_path, mode="iptables", layout=layout)
+        status = proxy.status()
+        assert (status["mode"], status["nftables_layout"]) == ("nftables", layout)
+        assert status["last_switch"] is None
+        assert live_modes(lab) == {dataplane_name(layout)}
 
         # Removing the annotation leads back to the configured mode.
         set_mode_annotation(cluster, None)

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from kproxy.dataplane.nftables.layouts import LAYOUTS, OWN_TABLES, TABLES
+
 pytestmark = pytest.mark.kernel
 
 UPSTREAM_STATE = """\
@@ -117,23 +119,23 @@ def test_cleanup_removes_only_kube_proxy_state(netns: str, flavour: str) -> None
     assert "nothing to remove" in again.stdout
 
 
-def test_cleanup_removes_kube_proxy_nftables_tables_only(netns: str) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cleanup_removes_kube_proxy_nftables_tables_only(netns: str, layout: str) -> None:
+    """A node of nftables mode in either layout: its tables and the anchor go, a foreign
+    table stays."""
+    own = [f"{family} {name}" for family, name in OWN_TABLES[layout]]
     script = (
-        "add table ip kube-proxy\nadd chain ip kube-proxy services\n"
-        "add table ip6 kube-proxy\nadd table inet firewalld\nadd table ip kproxy-anchor\n"
+        "".join(f"add table {table}\n" for table in own)
+        + f"add chain {own[0]} services\n"
+        + "add table inet firewalld\nadd table ip kproxy-anchor\n"
     )
     assert run_in(netns, "nft", "-f", "-", input=script).returncode == 0
     kproxy = [sys.executable, "-m", "kproxy.cli", "cleanup"]
     dry = json.loads(run_in(netns, *kproxy, "--dry-run", "--json").stdout)["removed"]
-    assert {o["name"] for o in dry if o["kind"] == "nft-table"} == {
-        "ip kube-proxy",
-        "ip6 kube-proxy",
-        "ip kproxy-anchor",
-    }
+    assert {o["name"] for o in dry if o["kind"] == "nft-table"} == {*own, "ip kproxy-anchor"}
     assert run_in(netns, *kproxy).returncode == 0
-    tables = run_in(netns, "nft", "list", "tables").stdout
-    assert "kube-proxy" not in tables and "kproxy-anchor" not in tables
-    assert "inet firewalld" in tables
+    tables = run_in(netns, "nft", "list", "tables").stdout.splitlines()
+    assert tables == ["table inet firewalld"]
 
 
 def test_nft_cleanup_over_netlink_alone_removes_what_the_save_lists(netns: str) -> None:
@@ -157,11 +159,12 @@ def test_nft_cleanup_over_netlink_alone_removes_what_the_save_lists(netns: str) 
     assert remove_over_netlink(backend) == ([], True)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_nft_cleanup_skips_the_chain_dump_without_iptables_nft_tables(
-    netns: str, monkeypatch: pytest.MonkeyPatch
+    netns: str, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
-    """An nftables-mode node: its own table's chains are the whole chain dump (3.5 s at
-    10,000 services), and iptables-nft has no table to clean."""
+    """An nftables-mode node (either layout): its own table's chains are the whole chain
+    dump (3.5 s at 10,000 services), and iptables-nft has no table to clean."""
     from kproxy.dataplane.iptables.backend import IptablesBackend
     from kproxy.dataplane.iptables.cleanup import remove_over_netlink
     from kproxy.dataplane.nftables.netlink import NftNetlink
@@ -174,7 +177,8 @@ def test_nft_cleanup_skips_the_chain_dump_without_iptables_nft_tables(
         return real(self)
 
     monkeypatch.setattr(NftNetlink, "chains_by_table", counted)
-    nft = "table ip kube-proxy {\n chain services {\n type nat hook prerouting priority 0\n }\n}\n"
+    chain = "chain services {\n type nat hook prerouting priority 0\n }"
+    nft = f"table ip {TABLES[layout]} {{\n {chain}\n}}\n"
     assert run_in(netns, "nft", "-f", "-", input=nft).returncode == 0
     backend = IptablesBackend("nft", netns=netns)
     assert remove_over_netlink(backend) == ([], True) and dumps == []

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kproxy.dataplane.base import AVAILABLE_MODES
+from kproxy.dataplane.nftables.layouts import LAYOUTS, TABLES
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from kproxy.ops.preflight import NodeAccess, run_preflight
@@ -189,17 +190,19 @@ def test_pods_on_a_bridge_without_bridge_nf_call_iptables(lab_module: Lab, tmp_p
     ]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_leftovers_of_other_modes_and_chains_in_both_backends(
-    lab_module: Lab, tmp_path: Path
+    lab_module: Lab, tmp_path: Path, layout: str
 ) -> None:
-    """A node serving iptables mode from iptables-legacy, with leftovers: upstream's
-    nftables table, an ipvs ipset, kube-proxy chains in iptables-nft. (This kernel has no
-    dummy interfaces, so no kube-ipvs0 here.)"""
+    """A node serving iptables mode from iptables-legacy, with leftovers: nftables mode's
+    table (in either layout), an ipvs ipset, kube-proxy chains in iptables-nft. (This
+    kernel has no dummy interfaces, so no kube-ipvs0 here.)"""
     lab = lab_module
+    table = TABLES[layout]
     setup = [
         ["iptables-legacy", "-t", "nat", "-N", "KUBE-SERVICES"],
         ["iptables-legacy", "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES"],
-        ["nft", "add", "table", "ip", "kube-proxy"],
+        ["nft", "add", "table", "ip", table],
         ["ipset", "create", "KUBE-CLUSTER-IP", "hash:ip,port"],
         ["iptables-nft", "-t", "nat", "-N", "KUBE-SERVICES"],
         ["iptables-nft", "-t", "nat", "-N", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
@@ -212,7 +215,7 @@ def test_leftovers_of_other_modes_and_chains_in_both_backends(
         assert result.current_mode == "iptables" and result.current_flavour == "legacy"
         left = next(f for f in result.findings if f.id == "dataplane.leftovers")
         assert left.severity is Severity.WARN and result.exit_code == 0
-        assert "nft delete table ip kube-proxy" in left.fix
+        assert f"nft delete table ip {table}" in left.fix
         assert "ipset destroy KUBE-CLUSTER-IP" in left.fix
         assert "iptables.both-backends" in ids(result, Severity.WARN)
         nft_target = preflight(lab, "nftables", tmp_path, families=["dataplane"])
@@ -296,12 +299,14 @@ def test_switch_refuses_on_a_block_and_force_proceeds(lab: Lab, tmp_path: Path) 
         proxy.stop()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_colliding_services_move_with_the_mode_as_preflight_predicts(
-    lab: Lab, tmp_path: Path
+    lab: Lab, tmp_path: Path, layout: str
 ) -> None:
     """Two services on one NodePort, two on one ClusterIP:port. iptables serves the first
-    of each (in service-port order), nftables the last: preflight blocks the switch, and a
-    forced one really moves the traffic."""
+    of each (in service-port order), nftables (either layout) the last: preflight blocks
+    the switch, and a forced one really moves the traffic."""
+    to = ("--nftables-layout", layout)
     twins = [
         service("one", "10.96.1.1", [port("http", 80, 8080, nodePort=30080)], type="NodePort"),
         service("two", "10.96.1.2", [port("http", 80, 8080, nodePort=30080)], type="NodePort"),
@@ -320,15 +325,16 @@ def test_colliding_services_move_with_the_mode_as_preflight_predicts(
 
     try:
         assert served() == ({"pod1"}, {"pod3"})  # default/one, default/four
-        rc, report = switch(lab, proxy, "nftables")
+        rc, report = switch(lab, proxy, "nftables", *to)
         assert rc == 1 and report["refused"]
         blocked = {f["id"]: f for f in report["preflight"]["findings"] if f["severity"] == "block"}
         assert blocked["objects.nodeport-collision"]["facts"]["served_after"] == "default/two:http"
         assert blocked["objects.destination-collision"]["facts"]["served_after"] == (
             "default/three:http"
         )
-        rc, report = switch(lab, proxy, "nftables", "--force")
+        rc, report = switch(lab, proxy, "nftables", *to, "--force")
         assert rc == 0 and report["ok"] and report["forced"], report
+        assert report["to_layout"] == layout
         assert list(proxy.state_dir.glob("switch-*-forced-nftables-preflight.json"))
         assert served() == ({"pod2"}, {"pod1"})  # default/two, default/three
     finally:

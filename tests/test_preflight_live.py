@@ -13,6 +13,7 @@ import pytest
 
 from kproxy.daemon import Daemon
 from kproxy.dataplane.kernel_dump import KernelDump
+from kproxy.dataplane.nftables.layouts import LAYOUTS, dataplane_name
 from kproxy.ops.inputs import OpsInputs
 from kproxy.ops.inspect.model import Destination
 from kproxy.ops.preflight import run_preflight
@@ -118,6 +119,40 @@ def test_the_running_proxys_objects_give_the_findings_of_reading_them_again(
     assert (read.path, live.path) == (PATH_READ, PATH_LIVE)
     assert live.current_mode == "iptables" and live.current_flavour == "nft"
     assert not [argv for argv in fake.ran if argv[0].endswith("-save")]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nftables_mode_reads_the_plane_of_its_own_layout(
+    fake: FakeNode, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """A kproxy serving nftables mode reads its layout's dataplane alone: the other
+    layout's has no table, and every service would be reported missing."""
+    monkeypatch.setattr("kproxy.leftovers.leftovers_by_mode", lambda *_a, **_k: [])
+    web = [
+        node(),
+        service("web", "10.96.0.10", [port("http", 80, 8080)], selector={"app": "web"}),
+        endpoint_slice("web", [endpoint(ip) for ip in PODS], [port("http", 8080)]),
+    ]
+    plane = dataplane_name(layout)
+    programmed = {plane: {Destination("10.96.0.10", "tcp", 80): "default/web:http"}}
+    state = live_state(web, "nftables", programmed=programmed, layout=layout)
+    reader, read = state.plane_reader, []
+
+    def reading(name: str, netns: str | None) -> dict[Destination, str]:
+        read.append(name)
+        return reader(name, netns)
+
+    state.plane_reader = reading
+    result = run_preflight(
+        "iptables",
+        access=fake.access(),
+        families=["dataplane"],
+        snapshot_taker=never_read,
+        node_name="node1",
+        live=state,
+    )
+    assert read == [plane]
+    assert result.current_mode == "nftables" and not result.findings, result.findings
 
 
 def test_a_switchs_preflight_leaves_the_backup_to_the_switch(

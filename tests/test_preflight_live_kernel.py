@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kproxy.dataplane.nftables.layouts import LAYOUTS, TABLES
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from kproxy.ops.inputs import ops_inputs
@@ -32,9 +33,11 @@ def logging_tool(folder: Path, tool: str, log: Path) -> None:
     script.chmod(0o755)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_switchs_preflight_asks_the_running_kproxy_and_finds_the_same(
-    lab: Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    lab: Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
+    """kproxy serving nftables mode in either layout (each read by its own map)."""
     calls = tmp_path / "nft-calls.log"
     calls.touch()
     logging_tool(tmp_path / "bin", "nft", calls)
@@ -42,6 +45,7 @@ def test_a_switchs_preflight_asks_the_running_kproxy_and_finds_the_same(
         lab,
         objects(tmp_path / "objects"),
         config=config(tmp_path, "nftables"),
+        args=["--nftables-layout", layout],
         workdir=tmp_path / "kp",
         path_prefix=tmp_path / "bin",
     ).start(timeout=60)
@@ -58,7 +62,7 @@ def test_a_switchs_preflight_asks_the_running_kproxy_and_finds_the_same(
         live = gate.result
         assert live.path == PATH_LIVE, live.notes
         # The log works: the serving mode's destinations come from its service map alone.
-        assert "-j list map ip kube-proxy service-ips" in during, during
+        assert f"-j list map ip {TABLES[layout]} service-ips" in during, during
         assert not [c for c in during if c.startswith("-j list table")], during
         assert not [c for c in during if c.startswith("list ruleset")], during
         assert "backup.at-switch" in live.ids() and gate.backup_path() is None

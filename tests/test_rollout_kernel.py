@@ -19,6 +19,7 @@ import pytest
 from kproxy.cluster.annotations import CURRENT_MODE
 from kproxy.cluster.rollout import status as st
 from kproxy.cluster.rollout.controller import REQUEST_ANNOTATION
+from kproxy.dataplane.nftables.layouts import COMPACT, TABLES, UPSTREAM, dataplane_name, target_name
 from kproxy.lab.cluster import ClusterLab, failures
 from kproxy.lab.topology import Lab
 from tests.support.rollout import running
@@ -26,9 +27,17 @@ from tests.support.rollout import running
 pytestmark = pytest.mark.kernel
 
 
+# nftables mode in both layouts in one cluster: the Node annotation names the mode, each
+# kproxy goes to its own --nftables-layout (a rollout between layouts is not a thing).
+LAYOUT_OF = {"node1": UPSTREAM, "node2": COMPACT, "node3": UPSTREAM, "node4": COMPACT}
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[ClusterLab]:
-    with Lab(pods=8, clients=1, nodes=4) as lab, ClusterLab(lab, tmp_path) as c:
+    with (
+        Lab(pods=8, clients=1, nodes=4) as lab,
+        ClusterLab(lab, tmp_path, nftables_layouts=LAYOUT_OF) as c,
+    ):
         yield c
 
 
@@ -98,6 +107,27 @@ def modes(c: ClusterLab) -> dict[str, str]:
     return {n: c.node_annotations(n).get(CURRENT_MODE, "") for n in c.proxies}
 
 
+def dataplanes(c: ClusterLab) -> dict[str, str]:
+    """What each node's kproxy serves, nftables mode by its layout's dataplane name."""
+    out = {}
+    for name, proxy in c.proxies.items():
+        st = proxy.status()
+        out[name] = target_name(str(st.get("mode")), st.get("nftables_layout"))
+    return out
+
+
+OWN = {layout: f"table ip {table}" for layout, table in TABLES.items()}
+
+
+def all_on_nftables(c: ClusterLab) -> None:
+    """Every node in nftables mode, in its own layout, its table in the kernel."""
+    assert set(modes(c).values()) == {"nftables"}
+    assert dataplanes(c) == {n: dataplane_name(layout) for n, layout in LAYOUT_OF.items()}
+    for node in c.lab.nodes:
+        tables = c.lab.exec(node.ns, ["nft", "list", "tables"]).stdout.splitlines()
+        assert [t for t in tables if t in OWN.values()] == [OWN[LAYOUT_OF[node.name]]], tables
+
+
 @contextlib.contextmanager
 def traffic(c: ClusterLab) -> Iterator[None]:
     """Traffic on every path for the block; asserts not one request failed."""
@@ -127,7 +157,7 @@ def test_a_full_rollout_moves_every_node_with_no_failed_request(cluster: Cluster
     with traffic(cluster), running(cluster.settings(), interval=0.2):
         cluster.store.create(rollout("to-nft", stages=stages))
         assert wait_phase(cluster, "to-nft", st.TERMINAL) == st.SUCCEEDED
-    assert set(modes(cluster).values()) == {"nftables"}
+    all_on_nftables(cluster)
     status = cluster.store.get("ProxyRollout", "", "to-nft")["status"]  # type: ignore[index]
     assert status["nodesDone"] == 4
     assert sorted(n["stage"] for n in status["nodes"]) == [1, 2, 3, 3]
@@ -261,7 +291,7 @@ def test_abort_rollback_all_and_undo_bring_every_node_back(cluster: ClusterLab) 
         assert set(modes(cluster).values()) == {"iptables"}
         cluster.store.create(rollout("second", soak="1s", stages=stages))
         assert wait_phase(cluster, "second", st.TERMINAL) == st.SUCCEEDED
-        assert set(modes(cluster).values()) == {"nftables"}
+        all_on_nftables(cluster)
         undo = rollout("second-undo", soak="1s", stages=stages)
         undo["spec"].update(targetMode="previous", undoOf="second")
         cluster.store.create(undo)
@@ -311,7 +341,7 @@ def test_a_controller_killed_mid_batch_is_resumed_by_the_next_one(cluster: Clust
         if first.poll() is None:
             first.kill()
     assert st.DONE in stopped_at.values() or st.SWITCHED in stopped_at.values()
-    assert set(modes(cluster).values()) == {"nftables"}
+    all_on_nftables(cluster)
     assert switches_per_node(cluster) == dict.fromkeys(cluster.proxies, 1)
     lease = cluster.store.get("Lease", "default", "kproxy-rollout-controller")
     assert lease is not None and lease["spec"]["leaseTransitions"] >= 1

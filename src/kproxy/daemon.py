@@ -263,6 +263,7 @@ class Daemon:
             flavour=self.dataplane.iptables_flavour,
             snapshot=snapshot,
             view=tracker_view(*self.tracker.parsed_objects()),
+            layout=self.dataplane.nftables_layout,
         )
         return run_preflight(
             target,

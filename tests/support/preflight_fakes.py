@@ -113,9 +113,11 @@ def live_state(
     mode: str,
     flavour: str | None = None,
     programmed: dict[str, dict[Any, str]] | None = None,
+    layout: str | None = None,
 ) -> Any:
     """What a running kproxy holds for these objects (its tracker's parsed objects and
-    snapshot), its plane read from `programmed` (dataplane -> destinations) by name."""
+    snapshot), its plane read from `programmed` (dataplane -> destinations) by name;
+    layout: nftables mode's."""
     from kproxy.model.snapshot import tracker_of
     from kproxy.ops.preflight.live import LiveState, tracker_view
 
@@ -127,4 +129,5 @@ def live_state(
         snapshot=tracker.snapshot(),
         view=tracker_view(*tracker.parsed_objects()),
         plane_reader=lambda plane, _netns: dict(planes.get(plane, {})),
+        layout=layout,
     )

@@ -53,6 +53,8 @@ class ClusterLab:
     store: KubeApiStore = field(default_factory=lambda: KubeApiStore(bookmark_interval=1.0))
     # node name -> a folder searched before PATH by that node's kproxy (a broken tool)
     path_prefixes: dict[str, Path] = field(default_factory=dict)
+    # node name -> that node's kproxy's --nftables-layout (absent: upstream's, the default)
+    nftables_layouts: dict[str, str] = field(default_factory=dict)
     backend: str = "nft"  # kproxy's --iptables-backend (UML guests: legacy)
     fast_sync: bool = True  # syncs within 100 ms; False: the mode's periods (upstream's)
     start_timeout: float = 60.0  # for every proxy's first sync
@@ -182,11 +184,14 @@ class ClusterLab:
                 sync_period="30s" if self.fast_sync else None,
             )
         )
+        args = ["--iptables-backend", self.backend]
+        if node.name in self.nftables_layouts:
+            args += ["--nftables-layout", self.nftables_layouts[node.name]]
         proxy = ProxyProcess(
             self.lab,
             None,
             config=config,
-            args=["--iptables-backend", self.backend],
+            args=args,
             workdir=home / "kproxy",
             node=node,
             path_prefix=self.path_prefixes.get(node.name),

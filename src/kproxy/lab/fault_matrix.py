@@ -9,6 +9,10 @@ Services: "web" (10.96.0.10:80, pods 1 and 2) carries the load and is never chan
 flip queues a change whose sync meets the fault. A rig with UDP gives both a UDP port 53
 too (load on web's), and keeps one UDP flow of a fixed source port to "moving": after a
 flip, only the cleanup of stale conntrack flows moves it to the new pod.
+
+The rig names what serves as a switch target (layouts.target_name): a mode, or nftables
+mode in a layout by its dataplane name ("nftables-compact"); "nftables" is upstream's
+layout.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ import yaml
 
 from kproxy.dataplane.anchor import CHAIN as ANCHOR_CHAIN
 from kproxy.dataplane.anchor import TABLE as ANCHOR_TABLE
+from kproxy.dataplane.nftables.layouts import (
+    COMPACT,
+    DEFAULT_LAYOUT,
+    TABLES,
+    dataplane_name,
+    parse_target,
+    target_name,
+)
 from kproxy.lab.faults import StateDirFault, ToolFaults
 from kproxy.lab.load import LoadHarness, LoadResult
 from kproxy.lab.proxy import ProxyProcess, proxy_config
@@ -125,7 +137,8 @@ class Outcome:
 
 
 class FaultRig:
-    """kproxy in `mode` on the lab's node with every tool wrapped, and load on "web"."""
+    """kproxy in `mode` (a mode, or "nftables-compact") on the lab's node with every tool
+    wrapped, and load on "web"."""
 
     def __init__(
         self,
@@ -164,13 +177,15 @@ class FaultRig:
             ],
         )
         config = workdir / "config.yaml"
-        config.write_text(proxy_config(mode, sync_period=f"{sync_period:g}s"))
+        configured, layout = parse_target(mode)
+        config.write_text(proxy_config(configured, sync_period=f"{sync_period:g}s"))
         self.faults = ToolFaults(workdir / "faults")
+        args = ["--iptables-backend", backend, "--tool-timeout", f"{tool_timeout:g}"]
         self.proxy = ProxyProcess(
             lab,
             self.source,
             config=config,
-            args=["--iptables-backend", backend, "--tool-timeout", f"{tool_timeout:g}"],
+            args=[*args, "--nftables-layout", layout] if layout else args,
             workdir=workdir / "kproxy",
             path_prefix=self.faults.bin,
             env=self.faults.env(),
@@ -237,7 +252,7 @@ class FaultRig:
 
     def failures_metric(self) -> float:
         return self.metric("kproxy_sync_failures_total") + self.metric(
-            FAILURE_METRIC.get(self.mode, "kproxy_sync_failures_total")
+            FAILURE_METRIC.get(parse_target(self.mode)[0], "kproxy_sync_failures_total")
         )
 
     def status(self) -> dict[str, Any]:
@@ -266,7 +281,10 @@ class FaultRig:
     def switch(self, to: str, timeout: float = 60) -> dict[str, Any]:
         """The switch request `kproxy switch` sends after its preflight (the preflight
         reads the kernel with the same tools and would meet the fault first)."""
-        request = {"op": "switch", "to": to, "timeout": timeout}
+        mode, layout = parse_target(to)
+        request: dict[str, object] = {"op": "switch", "to": mode, "timeout": timeout}
+        if mode == "nftables":  # "nftables" is upstream's layout, whichever kproxy started in
+            request["nftables_layout"] = layout or DEFAULT_LAYOUT
         try:
             return call(self.proxy.state_view / SOCKET_NAME, request, timeout=timeout + 60)
         except (AdminUnavailable, OSError) as err:
@@ -275,8 +293,8 @@ class FaultRig:
     # -- the kernel -----------------------------------------------------------------------
 
     def live_modes(self) -> set[str]:
-        """The modes whose rules sit in the packet path of the node (and the switch's
-        anchor, which must not outlive a switch)."""
+        """The modes whose rules sit in the packet path of the node, nftables mode's by
+        layout (and the switch's anchor, which must not outlive a switch)."""
         ns = self.lab.node_ns
         ipt = f"iptables-{self.backend}-save"
         nat = self.lab.exec(ns, [ipt, "-t", "nat"], check=False).stdout
@@ -291,11 +309,19 @@ class FaultRig:
             modes.add("ipvs")
         if "-j KUBE-PORTALS-CONTAINER" in nat:
             modes.add("userspace")
-        if re.search(r"table ip kube-proxy\b", tables):
-            modes.add("nftables")
+        modes |= set(self._nft_dataplanes(tables))
         if self._anchor_present(tables):
             modes.add("anchor")
         return modes
+
+    @staticmethod
+    def _nft_dataplanes(nft_tables: str) -> dict[str, str]:
+        """nftables mode's dataplanes whose table `nft list tables` lists -> the table."""
+        return {
+            dataplane_name(layout): table
+            for layout, table in TABLES.items()
+            if re.search(rf"^table ip {re.escape(table)}$", nft_tables, re.M)
+        }
 
     def _ipvs_present(self) -> bool:
         ns = self.lab.node_ns
@@ -324,8 +350,8 @@ class FaultRig:
         if serving != "iptables" and re.search(r"^:KUBE-SVC-", nat.stdout, re.M):
             out.append("iptables chains KUBE-SVC-*")
         tables = self.lab.exec(ns, ["nft", "list", "tables"], check=False).stdout
-        if serving != "nftables" and re.search(r"table ip kube-proxy\b", tables):
-            out.append("nftables table ip kube-proxy")
+        nft = self._nft_dataplanes(tables)
+        out += [f"nftables table ip {nft[plane]}" for plane in sorted(set(nft) - {serving})]
         if serving != "ipvs" and self._ipvs_present():
             out.append("ipvs virtual servers or kube-ipvs0")
         if self._anchor_present(tables):
@@ -507,7 +533,8 @@ class FaultRig:
         else:
             switched = False
             last = st.get("last_switch") or {}
-            out.in_status = bool(last.get("error")) and st.get("mode") == self.mode
+            serving = target_name(str(st.get("mode")), st.get("nftables_layout"))
+            out.in_status = bool(last.get("error")) and serving == self.mode
             out.in_metrics = self.metric("kproxy_mode_switches_total", result="failed") > metric0
             out.notes = str(report.get("error"))[:160]
         previous = self.mode
@@ -604,8 +631,9 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> float:
 
 
 def restore_tool(mode: str, backend: str = "nft") -> tuple[str, str]:
-    """(tool, argument match) of a sync's apply step in `mode`."""
-    if mode == "iptables":
+    """(tool, argument match) of a sync's apply step in `mode` (a layout's dataplane name
+    for nftables mode)."""
+    if parse_target(mode)[0] == "iptables":
         return f"iptables-{backend}-restore", ""
     return "nft", "-f"
 
@@ -616,6 +644,13 @@ Case = tuple[str, str, Callable[[ToolFaults], None]]
 
 def sync_faults(mode: str, backend: str = "nft") -> list[Case]:
     """(fault, step, inject) for a sync's apply step of `mode`."""
+    if parse_target(mode)[1] == COMPACT:
+        # A change of endpoints is map elements alone in the compact layout, applied in one
+        # netlink batch (nftables/steps.py): no nft call, and no stale chain to clean up.
+        return [
+            ("netlink batch fails", "sync: apply", lambda f: f.netlink("nftables", "fail")),
+            ("netlink batch hangs", "sync: apply", lambda f: f.netlink("nftables", "hang", 2)),
+        ]
     tool, match = restore_tool(mode, backend)
     cases: list[Case] = [
         (f"{tool} fails", "sync: apply", lambda f: f.set(tool, "fail", match=match, code=2)),
@@ -627,7 +662,7 @@ def sync_faults(mode: str, backend: str = "nft") -> list[Case]:
             lambda f: f.set(tool, "kill-after", match=match),
         ),
     ]
-    if mode == "nftables":
+    if parse_target(mode)[0] == "nftables":
         # Netlink carries the deletes of stale chains, a cleanup the sync goes on without.
         cleanup = "sync: stale-chain cleanup"
         cases += [
@@ -656,8 +691,11 @@ def conntrack_faults() -> list[tuple[str, Callable[[ToolFaults], None]]]:
 
 
 def switch_faults(old: str, to: str, backend: str = "nft") -> list[Case]:
-    """(fault, step, inject) at each switch step that runs a tool, for old -> to."""
+    """(fault, step, inject) at each switch step that runs a tool, for old -> to (modes,
+    or nftables mode in a layout by its dataplane name)."""
     ipt = f"iptables-{backend}-restore"
+    to_mode, to_layout = parse_target(to)
+    table = TABLES[to_layout or DEFAULT_LAYOUT]
     cases: list[Case] = [
         (
             "nft -f fails",
@@ -665,17 +703,17 @@ def switch_faults(old: str, to: str, backend: str = "nft") -> list[Case]:
             lambda f: f.set("nft", "fail", match="-f", input_match="ct-anchor"),
         ),
     ]
-    if to == "nftables":
+    if to_mode == "nftables":
         cases += [
             (
                 "nft -f fails",
                 "switch: program",
-                lambda f: f.set("nft", "fail", match="-f", input_match="kube-proxy"),
+                lambda f: f.set("nft", "fail", match="-f", input_match=table),
             ),
             (
                 "nft -f hangs",
                 "switch: program",
-                lambda f: f.set("nft", "hang", match="-f", input_match="kube-proxy"),
+                lambda f: f.set("nft", "hang", match="-f", input_match=table),
             ),
             ("nft list fails", "switch: verify", lambda f: f.set("nft", "fail", match="list")),
         ]

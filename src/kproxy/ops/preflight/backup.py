@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kproxy.dataplane.nftables.layouts import DATAPLANES, TABLES, dataplane_name
 from kproxy.ops.inspect.destinations import expected_destinations
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, block, info, warn
@@ -27,16 +28,21 @@ PREFIX = "preflight-backup-"
 
 # nftables mode's dataplanes, one per layout, and each one's snapshot section: both hold
 # the mode's state (dataplane/nftables/layouts.py).
-NFT_PLANES = ("nftables", "nftables-compact")
+NFT_PLANES = tuple(DATAPLANES)
 
 
-def planes_of(mode: str, flavour: str | None, found: dict[str, Any]) -> list[str]:
-    """The dataplanes (ops.inspect.readers) a mode's state shows up under."""
+def planes_of(
+    mode: str, flavour: str | None, found: dict[str, Any], *, layout: str | None = None
+) -> list[str]:
+    """The dataplanes (ops.inspect.readers) a mode's state shows up under: nftables mode's
+    in `layout` when known (a running kproxy knows its own), else whichever is found."""
     if mode in ("iptables", "userspace"):
         if flavour:
             return [f"{mode}-{flavour}"]
         return [p for p in found if p.startswith(f"{mode}-")] or [f"{mode}-nft"]
     if mode == "nftables":
+        if layout:
+            return [dataplane_name(layout)]
         return [p for p in NFT_PLANES if p in found] or ["nftables"]
     return [mode]
 
@@ -56,11 +62,7 @@ def nft_has_kube_proxy(text: str) -> bool:
         return False
     for item in items:
         table = item.get("table") if isinstance(item, dict) else None
-        if (
-            table
-            and table.get("name") in ("kube-proxy", "kproxy-compact")
-            and table.get("family") == "ip"
-        ):
+        if table and table.get("name") in TABLES.values() and table.get("family") == "ip":
             return True
     return False
 

@@ -20,7 +20,7 @@ from kproxy.dataplane.nftables.backend import TableRef
 from kproxy.host.commands import Runner
 from kproxy.ops.inspect.destinations import expected_destinations
 from kproxy.ops.inspect.model import Destination
-from kproxy.ops.preflight.backup import planes_of
+from kproxy.ops.preflight.backup import NFT_PLANES, planes_of
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, info, warn
 
@@ -177,7 +177,7 @@ class _PreflightDump(NodeDump):
 
     def nft_tables(self) -> _Tables:
         tables = []
-        for section in ("nftables", "nftables-compact"):  # each layout's section
+        for section in NFT_PLANES:  # each layout's section
             output = self.snap.get(section, {}).get("output") or "{}"
             for item in json.loads(output).get("nftables", []):
                 t = item.get("table") if isinstance(item, dict) else None

@@ -54,12 +54,13 @@ class LiveState:
     view: ObjectView
     # dataplane name -> its service destinations in the kernel now (netns given)
     plane_reader: Callable[[str, str | None], dict[Destination, str]] | None = None
+    layout: str | None = None  # nftables mode's (None in other modes)
 
     @property
     def planes(self) -> list[str]:
         from kproxy.ops.preflight.backup import planes_of
 
-        return planes_of(self.mode, self.flavour, {})
+        return planes_of(self.mode, self.flavour, {}, layout=self.layout)
 
     def programmed(self, netns: str | None) -> Programmed:
         """The serving mode's destinations alone, read by its reader (no other plane)."""
