@@ -1,10 +1,12 @@
 """The fault matrix, many times: faults at each step of syncs and switches, kill -9 of
 kproxy in the middle of them, with traffic to a service nobody changes.
 
-    .venv/bin/python -m bench.fault_bench [--iterations 5] [--kills 20] [--modes iptables,nftables]
-        [--json FILE]
+    .venv/bin/python -m bench.fault_bench [--iterations 5] [--kills 20]
+        [--modes iptables,nftables,nftables-compact] [--json FILE]
 
-Each fault case (kproxy.lab.fault_matrix) runs --iterations times per mode, the kill -9 of
+Each fault case (kproxy.lab.fault_matrix: the sync's tools, the switch's steps, the state
+dir, and the conntrack tool in the cleanup of stale UDP flows) runs --iterations times per
+mode ("nftables-compact": nftables mode in the compact layout), the kill -9 of
 kproxy --kills times per mode (half during syncs, half during switches, at random moments).
 Prints one row per fault and step: iterations, failed requests to the untouched service,
 how many recovered by themselves, and the time to recover (median / max) from the fault's
@@ -23,10 +25,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kproxy.lab.fault_matrix import FaultRig, Outcome, switch_faults, sync_faults
+from kproxy.lab.fault_matrix import (
+    FaultRig,
+    Outcome,
+    conntrack_faults,
+    switch_faults,
+    sync_faults,
+)
 from kproxy.lab.topology import Lab
 
-OTHER = {"iptables": "nftables", "nftables": "iptables"}
+OTHER = {"iptables": "nftables", "nftables": "iptables", "nftables-compact": "iptables"}
 
 
 def run_mode(lab: Lab, workdir: Path, mode: str, iterations: int, kills: int) -> list[Outcome]:
@@ -43,6 +51,12 @@ def run_mode(lab: Lab, workdir: Path, mode: str, iterations: int, kills: int) ->
             repeat(lambda r, c=case: r.sync_case(*c), rig)
         for fault, step, inject in switch_faults(mode, OTHER[mode]):
             repeat(lambda r, f=fault, s=step, i=inject: r.switch_case(f, s, OTHER[mode], i), rig)
+    finally:
+        rig.stop()
+    rig = FaultRig(lab, workdir / f"{mode}-conntrack", mode, udp=True).start()
+    try:
+        for fault, inject in conntrack_faults():
+            repeat(lambda r, f=fault, i=inject: r.conntrack_case(f, i), rig)
     finally:
         rig.stop()
     rig = FaultRig(lab, workdir / f"{mode}-state", mode, state_tmpfs="4m").start()
@@ -88,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=5, help="runs of each fault case")
     parser.add_argument("--kills", type=int, default=20, help="kill -9 of kproxy per mode")
-    parser.add_argument("--modes", default="iptables,nftables")
+    parser.add_argument("--modes", default="iptables,nftables,nftables-compact")
     parser.add_argument("--json", type=Path, help="also write every outcome here")
     args = parser.parse_args()
     started = time.monotonic()
