@@ -241,7 +241,10 @@ def daemon_stub(result: PreflightResult, started: bool = True) -> Any:
     return SimpleNamespace(first_sync_done=done, preflight=preflight, seen=seen)
 
 
-def test_the_preflight_op_checks_its_request(fake: FakeNode) -> None:
+def test_the_preflight_op_checks_its_request(
+    fake: FakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kproxy.daemon.PREFLIGHT_START_GRACE", 0.01)
     result = PreflightResult("nftables", "iptables", "nft", "node1", None, findings=[])
     stub = daemon_stub(result)
     answer = Daemon._preflight_request(stub, {"to": "nftables", "backup": "switch"})

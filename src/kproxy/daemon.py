@@ -40,6 +40,11 @@ if TYPE_CHECKING:  # the agent brings the API client: imported only when it runs
 
 log = logging.getLogger("kproxy.daemon")
 
+# The first sync's status is written a moment before first_sync_done is set (the loop
+# starts its runner in between): a preflight asked in that moment waits this long for it
+# rather than answering "still starting".
+PREFLIGHT_START_GRACE = 2.0
+
 
 class Daemon:
     def __init__(
@@ -300,7 +305,7 @@ class Daemon:
         backup = request.get("backup", "write")
         if backup not in ("switch", "write"):
             return {"ok": False, "error": "preflight's 'backup' is 'switch' or 'write'"}
-        if not self.first_sync_done.is_set():
+        if not self.first_sync_done.wait(PREFLIGHT_START_GRACE):
             return {"ok": False, "error": "kproxy is still starting: its first sync is not done"}
         result = self.preflight(
             to, layout if isinstance(layout, str) else None, backup_at_switch=backup == "switch"
