@@ -93,6 +93,9 @@ def test_a_switchs_preflight_asks_the_running_kproxy_and_finds_the_same(
         assert live_ids == read_ids
         assert "backup.ok" in {f["id"] for f in full["findings"]}
         assert live.current_mode == full["current_mode"] == "nftables"
+        assert live.current_layout == full["current_layout"] == layout
+        # Where a switch naming no layout goes (and a restart comes back): its flag.
+        assert proxy.status()["started_nftables_layout"] == layout
         assert live.safe == full["safe"]
         if layout == UPSTREAM:
             # A switch to the other layout is a layout change, not the mode it runs.
