@@ -248,7 +248,7 @@ class SwitchGate:
             "from_layout": self.result.current_layout,
             "to_mode": self.target,
             "to_layout": self.result.target_layout,
-            "error": f"{self.described} cannot run here: preflight blocked the switch "
+            "error": f"{self.described} mode cannot run here: preflight blocked the switch "
             f"(--force overrides): {blocking}",
             "preflight": self.result.to_dict(),
         }

@@ -142,8 +142,8 @@ class PreflightResult:
         return describe(self.target, self.target_layout)
 
     def header(self) -> str:
-        cur = describe(self.current_mode, self.current_layout) if self.current_mode else ""
-        cur = cur or "no proxy mode"
+        mode = self.current_mode
+        cur = describe(mode, self.current_layout) if mode else "no proxy mode"
         if self.current_flavour and self.current_mode in ("iptables", "userspace"):
             cur += f" (iptables-{self.current_flavour})"
         where = f", network namespace {self.netns}" if self.netns else ""
