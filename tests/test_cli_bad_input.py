@@ -91,6 +91,14 @@ def test_run_names_a_state_dir_it_cannot_create(tmp_path: Path) -> None:
         (["switch", "--to", "iptables", "--timeout", "nan"], "Invalid value for '--timeout'"),
         (["switch", "--to", "ebpf"], "Invalid value for '--to': 'ebpf' is not a proxy mode"),
         (["preflight", "--to", "iptables", "--from", "foo"], "--from 'foo' is not a proxy mode"),
+        (
+            ["preflight", "--to", "nftables", "--nftables-layout", "compat"],
+            "--nftables-layout: 'compat' is not upstream or compact",
+        ),
+        (
+            ["preflight", "--to", "ipvs", "--nftables-layout", "compact"],
+            "--nftables-layout goes with --to nftables",
+        ),
         (["trace", "--from", "10.0.0.300", "--to", "10.96.0.1:80"], "'--from': '10.0.0.300'"),
         (["trace", "--from", "10.0.0.3", "--to", "10.96.0.1:99999"], "--to: '99999' is not a port"),
         (["verify", "--for", "5x"], "Invalid value for '--for': unknown unit 'x'"),
@@ -104,6 +112,7 @@ def test_run_names_a_state_dir_it_cannot_create(tmp_path: Path) -> None:
     ],
     ids=[
         "render-node-ip", "render-zone", "switch-timeout", "switch-to", "preflight-from",
+        "preflight-layout", "preflight-layout-mode",
         "trace-from", "trace-port", "verify-for", "verify-failures", "verify-metrics",
         "snapshot-output", "rollout-metrics", "rollout-interval", "rollout-name-path",
         "rollout-name",

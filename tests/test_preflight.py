@@ -730,6 +730,136 @@ def test_the_current_mode_is_read_from_the_kernel() -> None:
     assert detect_current(recorded()(None))[0] is None
 
 
+def nft_table(name: str) -> str:
+    """`nft -j list table ip NAME` of an empty table (nftables mode's, in a layout)."""
+    return json.dumps({"nftables": [{"table": {"family": "ip", "name": name, "handle": 1}}]})
+
+
+UPSTREAM_TABLE, COMPACT_TABLE = nft_table("kube-proxy"), nft_table("kproxy-compact")
+
+
+def test_the_current_nftables_layout_is_its_table_in_the_kernel(fake: FakeNode) -> None:
+    upstream = run(fake, "iptables", families=[], snap=recorded(nftables=UPSTREAM_TABLE))
+    compact = run(fake, "iptables", families=[], snap=recorded(compact=COMPACT_TABLE))
+    assert (upstream.current_mode, upstream.current_layout) == ("nftables", "upstream")
+    assert (compact.current_mode, compact.current_layout) == ("nftables", "compact")
+    assert compact.header().startswith("kproxy preflight: nftables (compact layout) -> iptables")
+    both = run(
+        fake,
+        "iptables",
+        families=[],
+        snap=recorded(nftables=UPSTREAM_TABLE, compact=COMPACT_TABLE),
+    )
+    assert both.current_layout == "upstream"
+    assert any("more than one nftables layout" in n for n in both.notes), both.notes
+    # The running kproxy's status says which layout serves, whatever the kernel holds.
+    status = {"mode": "nftables", "nftables_layout": "compact"}
+    told = run(fake, "iptables", families=[], snap=recorded(nftables=UPSTREAM_TABLE), status=status)
+    assert told.current_layout == "compact"
+    # Other modes have no layout, on either side.
+    assert (
+        run(fake, "ipvs", families=[], snap=recorded(nft=ipt_save())).to_dict()["current_layout"]
+        is None
+    )
+
+
+def test_a_switch_between_nftables_layouts_is_a_layout_change_not_the_same_mode(
+    fake: FakeNode,
+) -> None:
+    result = run(
+        fake,
+        "nftables",
+        families=["config"],
+        snap=recorded(nftables=UPSTREAM_TABLE),
+        target_layout="compact",
+    )
+    assert "mode.same" not in ids(result)
+    f = one(result, "mode.layout-change")
+    assert f.severity is Severity.INFO and result.safe
+    assert "upstream layout (table ip kube-proxy)" in f.found
+    assert "compact layout (table ip kproxy-compact)" in f.found
+    assert "make-before-break" in f.found
+    # No kproxy runs here: the restart's layout is whatever its flag will say.
+    assert "--nftables-layout" in f.why and "upstream when absent" in f.why
+    assert f.fix == (
+        "kproxy run --nftables-layout compact ...  # where kproxy is started (its unit)",
+    )
+    assert result.verdict() == "SAFE: nothing blocks a switch to nftables (compact layout)"
+    doc = result.to_dict()
+    assert (doc["target_layout"], doc["current_layout"]) == ("compact", "upstream")
+    # The same layout is the same mode: the switch refuses it.
+    same = run(
+        fake,
+        "nftables",
+        families=["config"],
+        snap=recorded(compact=COMPACT_TABLE),
+        target_layout="compact",
+    )
+    assert "mode.layout-change" not in ids(same)
+    assert "nftables (compact layout) mode" in one(same, "mode.same").found
+
+
+def test_a_switch_naming_no_layout_goes_to_the_one_kproxy_was_started_with(
+    fake: FakeNode,
+) -> None:
+    """As Daemon.switch picks it: the running kproxy's --nftables-layout (its status)."""
+    switched = {"mode": "nftables", "nftables_layout": "compact"}
+    back = run(
+        fake,
+        "nftables",
+        families=["config"],
+        status={**switched, "started_nftables_layout": "upstream"},
+    )
+    assert back.target_layout == "upstream"
+    f = one(back, "mode.layout-change")
+    assert f.facts["current_layout"] == "compact" and f.facts["target_layout"] == "upstream"
+    assert "started with --nftables-layout upstream: a restart stays" in f.why and not f.fix
+    started_compact = {**switched, "started_nftables_layout": "compact"}
+    stays = run(fake, "nftables", families=["config"], status=started_compact)
+    assert stays.target_layout == "compact" and "mode.same" in ids(stays)
+    # To the other layout while started with this one: the restart comes back here.
+    away = run(
+        fake,
+        "nftables",
+        families=["config"],
+        status={
+            "mode": "nftables",
+            "nftables_layout": "upstream",
+            "started_nftables_layout": "upstream",
+        },
+        target_layout="compact",
+    )
+    why = one(away, "mode.layout-change").why
+    assert "restart comes back in the upstream layout and removes the compact table" in why
+    # Without a kproxy (nothing started): the default layout.
+    assert run(fake, "nftables", families=[]).target_layout == "upstream"
+    assert run(fake, "ipvs", families=[], target_layout="compact").target_layout is None
+
+
+@pytest.mark.parametrize(
+    ("layout", "section"), [("upstream", "nftables"), ("compact", "nftables-compact")]
+)
+def test_the_backup_restores_only_the_nftables_layout_that_exists(
+    fake: FakeNode, tmp_path: Path, layout: str, section: str
+) -> None:
+    tables = {"nftables": UPSTREAM_TABLE} if layout == "upstream" else {"compact": COMPACT_TABLE}
+    result = run(
+        fake,
+        "iptables",
+        families=["backup"],
+        snap=recorded(**tables),
+        state_dir=tmp_path / "state",
+        objects=[node()],
+    )
+    f = one(result, "backup.ok")
+    path = f.facts["path"]
+    assert path.endswith(
+        f"-{'nftables' if layout == 'upstream' else 'nftables-compact'}-to-iptables.json"
+    )
+    restore = f"jq -r '.\"{section}\".output' {path} > /tmp/{section}.json"
+    assert f.fix == (f"{restore} && nft -j -f /tmp/{section}.json",)
+
+
 # --- sysctls -----------------------------------------------------------------------------------
 
 

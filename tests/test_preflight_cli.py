@@ -36,13 +36,21 @@ def test_missing_files_and_namespaces_are_usage_errors(tmp_path: Path) -> None:
 
 
 def test_help_documents_the_exit_codes() -> None:
+    helps = {command: kproxy(command, "--help") for command in ("preflight", "doctor", "switch")}
     for command in ("preflight", "doctor"):
-        out = kproxy(command, "--help")
+        out = helps[command]
         assert (
             out.returncode == 0 and "Exit codes: 0" in out.stdout and "2 usage error" in out.stdout
         )
-    switch = kproxy("switch", "--help")
-    assert "--force" in switch.stdout and "preflight" in switch.stdout
+    switch = helps["switch"].stdout
+    assert "--force" in switch and "preflight" in switch
+
+    # --nftables-layout: the same words in both (rich's box and wrapping taken out).
+    def said(text: str) -> str:
+        return " ".join(" ".join(line.strip(" │") for line in text.splitlines()).split())
+
+    layout = "With --to nftables: the layout to switch to (upstream or compact"
+    assert layout in said(switch) and layout in said(helps["preflight"].stdout)
 
 
 @pytest.mark.kernel

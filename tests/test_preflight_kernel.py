@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kproxy.dataplane.base import AVAILABLE_MODES
-from kproxy.dataplane.nftables.layouts import LAYOUTS, TABLES
+from kproxy.dataplane.nftables.layouts import LAYOUTS, TABLES, target_name
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from kproxy.ops.preflight import NodeAccess, run_preflight
@@ -335,7 +335,9 @@ def test_colliding_services_move_with_the_mode_as_preflight_predicts(
         rc, report = switch(lab, proxy, "nftables", *to, "--force")
         assert rc == 0 and report["ok"] and report["forced"], report
         assert report["to_layout"] == layout
-        assert list(proxy.state_dir.glob("switch-*-forced-nftables-preflight.json"))
+        # The record of the forced switch names the layout it went to.
+        forced = f"switch-*-forced-{target_name('nftables', layout)}-preflight.json"
+        assert list(proxy.state_dir.glob(forced))
         assert served() == ({"pod2"}, {"pod1"})  # default/two, default/three
     finally:
         proxy.stop()

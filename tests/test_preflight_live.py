@@ -195,30 +195,71 @@ def test_a_result_survives_its_json(fake: FakeNode) -> None:
     assert again.to_dict() == result.to_dict() and again.findings == ordered(result.findings)
 
 
+def test_the_running_nftables_kproxy_sees_a_switch_to_its_other_layout(fake: FakeNode) -> None:
+    """Beside kproxy serving nftables mode (upstream's layout, started so): a switch to the
+    compact layout is a layout change, and naming no layout is its own layout again."""
+    state = live_state(objects(), "nftables", layout="upstream")
+    status = {"mode": "nftables", "nftables_layout": "upstream"}
+    status["started_nftables_layout"] = "upstream"
+
+    def ask(layout: str | None) -> PreflightResult:
+        return run_preflight(
+            "nftables",
+            access=fake.access(),
+            families=["config"],
+            snapshot_taker=never_read,
+            node_name="node1",
+            live=state,
+            status=status,
+            target_layout=layout,
+        )
+
+    compact = ask("compact")
+    assert (compact.current_layout, compact.target_layout) == ("upstream", "compact")
+    assert "mode.layout-change" in compact.ids() and "mode.same" not in compact.ids()
+    again = PreflightResult.from_dict(json.loads(compact.to_json()))
+    assert (again.current_layout, again.target_layout) == ("upstream", "compact")
+    assert again.verdict() == "SAFE: nothing blocks a switch to nftables (compact layout)"
+    same = ask(None)
+    assert same.target_layout == "upstream" and "mode.same" in same.ids()
+
+
 # --- the admin op and the CLI ---------------------------------------------------------------
 
 
 def daemon_stub(result: PreflightResult, started: bool = True) -> Any:
     """What Daemon._preflight_request uses of the daemon."""
-    seen: list[tuple[str, bool]] = []
+    seen: list[tuple[str, str | None, bool]] = []
     done = threading.Event()
     if started:
         done.set()
 
-    def preflight(target: str, *, backup_at_switch: bool) -> PreflightResult:
-        seen.append((target, backup_at_switch))
+    def preflight(target: str, layout: str | None, *, backup_at_switch: bool) -> PreflightResult:
+        seen.append((target, layout, backup_at_switch))
         return result
 
     return SimpleNamespace(first_sync_done=done, preflight=preflight, seen=seen)
 
 
-def test_the_preflight_op_checks_its_request(fake: FakeNode) -> None:
+def test_the_preflight_op_checks_its_request(
+    fake: FakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kproxy.daemon.PREFLIGHT_START_GRACE", 0.01)
     result = PreflightResult("nftables", "iptables", "nft", "node1", None, findings=[])
     stub = daemon_stub(result)
     answer = Daemon._preflight_request(stub, {"to": "nftables", "backup": "switch"})
     assert answer == {"ok": True, "result": result.to_dict()}
-    assert stub.seen == [("nftables", True)]
+    assert stub.seen == [("nftables", None, True)]
     assert "one of" in Daemon._preflight_request(stub, {"to": "nftabels"})["error"]
+    compact = {"to": "nftables", "nftables_layout": "compact"}
+    assert Daemon._preflight_request(stub, compact)["ok"]
+    assert stub.seen[-1] == ("nftables", "compact", False)
+    for bad in ({"to": "nftables", "nftables_layout": "compat"}, {**compact, "to": "ipvs"}):
+        error = Daemon._preflight_request(stub, bad)["error"]
+        assert error == (
+            "preflight's 'nftables_layout' must be one of upstream, compact, with 'to': nftables"
+        )
+    assert len(stub.seen) == 2
     assert (
         "'switch' or 'write'"
         in Daemon._preflight_request(stub, {"to": "ipvs", "backup": 1})["error"]
@@ -245,10 +286,10 @@ def test_the_cli_asks_the_running_proxy_over_tcp_with_its_token(
         token = srv.token_path.read_text().strip()
         running = {"mode": "iptables", "pid": 1}
         good = OpsInputs(tmp_path, admin=AdminTarget(address=address, token=token), status=running)
-        got, note = ask_running(good, "nftables", backup="switch")
+        got, note = ask_running(good, "nftables", backup="switch", layout="compact")
         assert note is None and got is not None
         assert got.path == PATH_LIVE and got.findings == ordered(result.findings)
-        assert stub.seen == [("nftables", True)]
+        assert stub.seen == [("nftables", "compact", True)]
         bad = OpsInputs(tmp_path, admin=AdminTarget(address=address, token="x"), status=running)
         refused, why = ask_running(bad, "nftables", backup="write")
         assert refused is None and why is not None and "unauthorized" in why
@@ -257,3 +298,53 @@ def test_the_cli_asks_the_running_proxy_over_tcp_with_its_token(
         srv.stop()
     nobody = OpsInputs(tmp_path, status=None)
     assert ask_running(nobody, "nftables", backup="write") == (None, None)
+
+
+def test_kproxy_switch_asks_preflight_for_the_layout_it_switches_to(tmp_path: Path) -> None:
+    """`kproxy switch --to nftables --nftables-layout compact`: the running kproxy is asked
+    for the preflight of that layout, then for that switch; `--to previous`: the preflight
+    of the previous mode in its layout."""
+    from typer.testing import CliRunner
+
+    from kproxy.cli import app
+    from kproxy.server.admin import SOCKET_NAME
+
+    answer = PreflightResult("nftables", "nftables", None, "node1", None, findings=[])
+    answer.current_layout, answer.target_layout = "upstream", "compact"
+    stub = daemon_stub(answer)
+    switches: list[dict[str, object]] = []
+    status = {"mode": "nftables", "nftables_layout": "upstream"}
+    status |= {"previous_mode": "nftables", "previous_nftables_layout": "compact"}
+
+    def switch(request: dict[str, object]) -> dict[str, object]:
+        switches.append(request)
+        return {"ok": False, "error": "not here", "from_mode": "nftables", "to_mode": "nftables"}
+
+    srv = AdminServer(
+        tmp_path / SOCKET_NAME,
+        {
+            "status": lambda _req: {"ok": True, **status},
+            "preflight": lambda req: Daemon._preflight_request(stub, req),
+            "switch": switch,
+        },
+    )
+    srv.start()
+    try:
+        runner = CliRunner()
+        args = ["switch", "--to", "nftables", "--nftables-layout", "compact", "--json"]
+        out = runner.invoke(app, [*args[:-1], "--state-dir", str(tmp_path)])
+        assert out.exit_code == 1, out.output
+        assert "preflight: nothing blocks a switch to nftables (compact layout)" in out.output
+        assert stub.seen == [("nftables", "compact", True)]
+        assert switches[0]["nftables_layout"] == "compact"
+        # `kproxy preflight` asks the same, and its JSON names the layouts.
+        args[0] = "preflight"
+        out = runner.invoke(app, [*args, "--state-dir", str(tmp_path)])
+        assert out.exit_code == 0 and stub.seen[-1] == ("nftables", "compact", False)
+        doc = json.loads(out.stdout)
+        assert (doc["target_layout"], doc["current_layout"]) == ("compact", "upstream")
+        out = runner.invoke(app, ["switch", "--to", "previous", "--state-dir", str(tmp_path)])
+        assert stub.seen[-1] == ("nftables", "compact", True)
+        assert switches[-1]["to"] == "previous" and "nftables_layout" not in switches[-1]
+    finally:
+        srv.stop()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kproxy.dataplane.nftables.layouts import LAYOUTS, TABLES
+from kproxy.dataplane.nftables.layouts import COMPACT, LAYOUTS, TABLES, UPSTREAM
 from kproxy.lab.proxy import ProxyProcess
 from kproxy.lab.topology import Lab
 from kproxy.ops.inputs import ops_inputs
@@ -37,7 +37,8 @@ def logging_tool(folder: Path, tool: str, log: Path) -> None:
 def test_a_switchs_preflight_asks_the_running_kproxy_and_finds_the_same(
     lab: Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
-    """kproxy serving nftables mode in either layout (each read by its own map)."""
+    """kproxy serving nftables mode in either layout (each read by its own map); in
+    upstream's, a switch to the compact layout is a layout change."""
     calls = tmp_path / "nft-calls.log"
     calls.touch()
     logging_tool(tmp_path / "bin", "nft", calls)
@@ -92,6 +93,19 @@ def test_a_switchs_preflight_asks_the_running_kproxy_and_finds_the_same(
         assert live_ids == read_ids
         assert "backup.ok" in {f["id"] for f in full["findings"]}
         assert live.current_mode == full["current_mode"] == "nftables"
+        assert live.current_layout == full["current_layout"] == layout
+        # Where a switch naming no layout goes (and a restart comes back): its flag.
+        assert proxy.status()["started_nftables_layout"] == layout
         assert live.safe == full["safe"]
+        if layout == UPSTREAM:
+            # A switch to the other layout is a layout change, not the mode it runs.
+            to_compact = switch_gate(
+                "nftables", ops_inputs(state_dir=proxy.state_dir), force=False, layout=COMPACT
+            )
+            assert to_compact is not None and to_compact.result.path == PATH_LIVE
+            ids = to_compact.result.ids()
+            assert "mode.layout-change" in ids and "mode.same" not in ids, ids
+            assert to_compact.result.current_layout == UPSTREAM
+            assert to_compact.described == "nftables (compact layout)"
     finally:
         proxy.stop()

@@ -66,3 +66,28 @@ HostOpt = Annotated[
         callback=checked(node_name),
     ),
 ]
+
+
+SwitchLayoutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--nftables-layout",
+        help="With --to nftables: the layout to switch to (upstream or compact; default: "
+        "the one kproxy was started with). Switching between the layouts of nftables "
+        "mode is a switch like any other (each has its own table).",
+    ),
+]
+
+
+def check_switch_layout(layout: str | None, to: str) -> str | None:
+    """A switch's (or its preflight's) --nftables-layout: a layout, and only with --to
+    nftables; UsageError naming the flag otherwise."""
+    from kproxy.dataplane.nftables.layouts import LAYOUTS, MODE
+
+    if layout is None:
+        return None
+    if layout not in LAYOUTS:
+        raise UsageError(f"--nftables-layout: {one_line(layout)!r} is not {' or '.join(LAYOUTS)}")
+    if to != MODE:
+        raise UsageError("--nftables-layout goes with --to nftables")
+    return layout

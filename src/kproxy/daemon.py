@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kproxy.config import ConfigError, ProxyConfig, load_config, rule_options
 from kproxy.conntrack import cleanup_stale_udp
 from kproxy.dataplane.base import Dataplane
+from kproxy.dataplane.nftables.layouts import switch_layout
 from kproxy.dataplane.nodepolicy import NodePortAddresses, localhost_node_ports_enabled
 from kproxy.dataplane.registry import create_dataplane
 from kproxy.defaults import DEFAULT_STATE_DIR
@@ -38,6 +39,11 @@ if TYPE_CHECKING:  # the agent brings the API client: imported only when it runs
     from kproxy.ops.verify import Collector
 
 log = logging.getLogger("kproxy.daemon")
+
+# The first sync's status is written a moment before first_sync_done is set (the loop
+# starts its runner in between): a preflight asked in that moment waits this long for it
+# rather than answering "still starting".
+PREFLIGHT_START_GRACE = 2.0
 
 
 class Daemon:
@@ -211,8 +217,7 @@ class Daemon:
             if self.previous_mode is None:
                 return {"ok": False, "error": "no previous mode: this kproxy has not switched yet"}
             to, nftables_layout = self.previous_mode, self.previous_layout
-        if to == "nftables":
-            nftables_layout = nftables_layout or self.nftables_layout
+        nftables_layout = switch_layout(to, nftables_layout, self.nftables_layout)
         with self.loop.exclusive():
             old = self.dataplane
             snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
@@ -239,7 +244,7 @@ class Daemon:
         the same checks as `kproxy preflight --to`, the blocking ones and warnings as lines."""
         from kproxy.ops.preflight.findings import Severity
 
-        result = self.preflight(target, backup_at_switch=True)
+        result = self.preflight(target, None, backup_at_switch=True)
 
         def line(f: Any) -> str:
             return f"{f.id}: {f.found}"[:300]
@@ -250,10 +255,13 @@ class Daemon:
             "warnings": [line(f) for f in result.findings if f.severity is Severity.WARN][:10],
         }
 
-    def preflight(self, target: str, *, backup_at_switch: bool) -> PreflightResult:
-        """The preflight of a switch to `target`, from this proxy's own objects, mode and
-        configuration (ops/preflight/live.py): nothing re-read from the source, only the
-        serving mode's destinations read from the kernel."""
+    def preflight(
+        self, target: str, layout: str | None, *, backup_at_switch: bool
+    ) -> PreflightResult:
+        """The preflight of a switch to `target` (nftables mode: in `layout`, None: the one
+        a switch would use), from this proxy's own objects, mode and configuration
+        (ops/preflight/live.py): nothing re-read from the source, only the serving mode's
+        destinations read from the kernel."""
         from kproxy.ops.preflight.live import LiveState, tracker_view
         from kproxy.ops.preflight.run import run_preflight
 
@@ -274,22 +282,34 @@ class Daemon:
             node_name=self.node_name,
             live=live,
             backup_at_switch=backup_at_switch,
+            target_layout=layout,
         )
 
     def _preflight_request(self, request: dict[str, object]) -> dict[str, object]:
-        """The admin op `preflight`: {"to": MODE, "backup": "switch" | "write"}; the
-        answer's "result" is the PreflightResult's JSON (the CLI prints it)."""
+        """The admin op `preflight`: {"to": MODE, "nftables_layout": LAYOUT (optional, with
+        "to": nftables), "backup": "switch" | "write"}; the answer's "result" is the
+        PreflightResult's JSON (the CLI prints it)."""
+        from kproxy.dataplane.nftables.layouts import LAYOUTS, MODE
         from kproxy.modes import MODES
 
         to = request.get("to")
         if not isinstance(to, str) or to not in MODES:
             return {"ok": False, "error": f"preflight needs 'to': one of {', '.join(MODES)}"}
+        layout = request.get("nftables_layout")
+        if layout is not None and (layout not in LAYOUTS or to != MODE):
+            return {
+                "ok": False,
+                "error": f"preflight's 'nftables_layout' must be one of {', '.join(LAYOUTS)}, "
+                "with 'to': nftables",
+            }
         backup = request.get("backup", "write")
         if backup not in ("switch", "write"):
             return {"ok": False, "error": "preflight's 'backup' is 'switch' or 'write'"}
-        if not self.first_sync_done.is_set():
+        if not self.first_sync_done.wait(PREFLIGHT_START_GRACE):
             return {"ok": False, "error": "kproxy is still starting: its first sync is not done"}
-        result = self.preflight(to, backup_at_switch=backup == "switch")
+        result = self.preflight(
+            to, layout if isinstance(layout, str) else None, backup_at_switch=backup == "switch"
+        )
         return {"ok": True, "result": result.to_dict()}
 
     def verify_collector(self) -> Collector:
@@ -362,6 +382,9 @@ class Daemon:
         return {
             "mode": self.dataplane.mode,
             "nftables_layout": self.dataplane.nftables_layout,  # None in other modes
+            # Its --nftables-layout: where a switch to nftables naming none goes, and what a
+            # restart comes back in.
+            "started_nftables_layout": self.nftables_layout,
             "node": self.node_name,
             "pid": os.getpid(),
             "syncs": st.syncs,

@@ -90,8 +90,11 @@ ADDRS = [
 
 
 def recorded(
-    nft: str = "", legacy: str = "", nftables: str = "", ipvs: str = ""
+    nft: str = "", legacy: str = "", nftables: str = "", ipvs: str = "", compact: str = ""
 ) -> Callable[[str | None], dict[str, Any]]:
+    """A snapshot's sections (ops.snapshot.take()); nftables, compact: the `nft -j` output
+    of nftables mode's upstream and compact layouts' sections."""
+
     def section(text: str, ok: bool = True) -> dict[str, Any]:
         return {"command": "x", "ok": ok, "output": text, "error": ""}
 
@@ -100,6 +103,7 @@ def recorded(
         "iptables-nft": section(nft),
         "iptables-legacy": section(legacy),
         "nftables": section(nftables or '{"nftables": []}'),
+        "nftables-compact": section(compact or '{"nftables": []}'),
         "ipset": section(""),
         "ipvs": section(ipvs),
         "kube-ipvs0": section("", ok=False),

@@ -10,7 +10,13 @@ from typing import Annotated
 
 import typer
 
-from kproxy.cli_common import UsageError, checked, fail
+from kproxy.cli_common import (
+    SwitchLayoutOpt,
+    UsageError,
+    check_switch_layout,
+    checked,
+    fail,
+)
 from kproxy.config.durations import check_seconds
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.modes import MODES
@@ -176,15 +182,7 @@ def switch_command(
     ] = None,
     admin_address: AdminAddressOpt = None,
     token_file: TokenFileOpt = None,
-    nftables_layout: Annotated[
-        str | None,
-        typer.Option(
-            "--nftables-layout",
-            help="With --to nftables: the layout to switch to (upstream or compact; default: "
-            "the one kproxy was started with). Switching between the layouts of nftables "
-            "mode is a switch like any other (each has its own table).",
-        ),
-    ] = None,
+    nftables_layout: SwitchLayoutOpt = None,
 ) -> None:
     """Switch the running kproxy to another proxy mode, live and make-before-break.
 
@@ -195,17 +193,12 @@ def switch_command(
     anything fails before that, the old mode keeps serving untouched and the report says
     why. Exit code 0 on success.
     """
-    from kproxy.dataplane.nftables.layouts import LAYOUTS, target_name
+    from kproxy.dataplane.nftables.layouts import target_name
     from kproxy.ops.preflight.cli import print_gate, switch_gate
     from kproxy.server.admin import AdminUnavailable, call
 
-    if nftables_layout is not None and (nftables_layout not in LAYOUTS or to != "nftables"):
-        raise fail(
-            f"--nftables-layout: {nftables_layout!r} is not {' or '.join(LAYOUTS)}"
-            if nftables_layout not in LAYOUTS
-            else "--nftables-layout goes with --to nftables"
-        )
     try:
+        check_switch_layout(nftables_layout, to)
         inputs = ops_inputs(
             state_dir=state_dir,
             config_path=config_path,
@@ -213,7 +206,7 @@ def switch_command(
             admin_address=admin_address,
             token_file=token_file,
         )
-        gate = switch_gate(to, inputs, force=force)
+        gate = switch_gate(to, inputs, force=force, layout=nftables_layout)
     except UsageError as err:
         raise fail(str(err)) from None
     if gate is not None and not as_json:

@@ -67,6 +67,15 @@ def parse_target(name: str) -> tuple[str, str | None]:
     return name, None
 
 
+def switch_layout(mode: str, named: str | None, started_with: str | None) -> str | None:
+    """nftables mode's layout a switch to `mode` goes to: the one named, else the one the
+    running kproxy was started with (`kproxy run --nftables-layout`), else the default;
+    None for other modes."""
+    if mode != MODE:
+        return None
+    return check_layout(named or started_with or DEFAULT_LAYOUT)
+
+
 def describe(mode: str, layout: str | None) -> str:
     """For messages: "nftables (compact layout)"; a mode alone otherwise."""
     return f"{mode} ({layout} layout)" if mode == MODE and layout and layout != UPSTREAM else mode

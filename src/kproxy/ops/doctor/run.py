@@ -39,7 +39,9 @@ from kproxy.ops.preflight.run import detect_current, run_preflight
 
 NODE_FAMILIES = ("config", "kernel", "sysctls", "conntrack", "dataplane")
 # Per-service findings say these better; a doctor is not about to switch.
-NODE_SKIP = frozenset({"mode.same", "dataplane.missing-services", "config.mode-differs"})
+NODE_SKIP = frozenset(
+    {"mode.same", "mode.layout-change", "dataplane.missing-services", "config.mode-differs"}
+)
 PROBED_SERVICES = 20  # whole-node runs probe a sample, like the switch's self-probe
 
 

@@ -15,7 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kproxy.dataplane.nftables.layouts import DATAPLANES, TABLES, dataplane_name
+from kproxy.dataplane.nftables.layouts import (
+    DATAPLANES,
+    LAYOUTS,
+    TABLES,
+    dataplane_name,
+    target_name,
+)
 from kproxy.ops.inspect.destinations import expected_destinations
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, block, info, warn
@@ -67,6 +73,15 @@ def nft_has_kube_proxy(text: str) -> bool:
     return False
 
 
+def nft_layouts(snap: Any) -> list[str]:
+    """The nftables layouts whose table the snapshot holds (each in its own section)."""
+    return [
+        layout
+        for layout in LAYOUTS
+        if nft_has_kube_proxy(snap.get(dataplane_name(layout), {}).get("output", ""))
+    ]
+
+
 def _kube_state(mode: str, snap: dict[str, Any], sections: list[str]) -> bool:
     text = "".join(snap.get(s, {}).get("output", "") for s in sections)
     if mode == "iptables":
@@ -78,6 +93,17 @@ def _kube_state(mode: str, snap: dict[str, Any], sections: list[str]) -> bool:
     if mode == "ipvs":
         return "-A -" in snap.get("ipvs", {}).get("output", "")
     return False
+
+
+def _present(mode: str, snap: Any, sections: list[str]) -> list[str]:
+    """The sections that hold the mode's state: a backup restores only what exists (one
+    iptables backend of two, one nftables layout's table of two)."""
+    found = [s for s in sections if snap.get(s, {}).get("ok")]
+    if mode == "nftables":
+        return [s for s in found if nft_has_kube_proxy(snap.get(s, {}).get("output", ""))]
+    if mode in ("iptables", "userspace"):
+        return [s for s in found if _kube_state(mode, snap, [s])]
+    return found
 
 
 def restore_commands(mode: str, sections: list[str], path: str) -> list[str]:
@@ -102,7 +128,9 @@ def default_path(ctx: Context) -> Path | None:
     if ctx.state_dir is None:
         return None
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    return ctx.state_dir / f"{PREFIX}{stamp}-{ctx.current_mode}-to-{ctx.target}.json"
+    was = target_name(str(ctx.current_mode), ctx.current_layout)
+    to = target_name(ctx.target, ctx.target_layout)
+    return ctx.state_dir / f"{PREFIX}{stamp}-{was}-to-{to}.json"
 
 
 def _prune(folder: Path) -> None:
@@ -144,7 +172,7 @@ def check_backup(ctx: Context) -> list[Finding]:
                 facts={"errors": errors},
             )
         ]
-    planes = planes_of(mode, flavour, found)
+    planes = planes_of(mode, flavour, found, layout=ctx.current_layout)
     serving = {k: v for p in planes for k, v in found.get(p, {}).items()}
     if not _kube_state(mode, snap, sections):
         return [
@@ -222,7 +250,7 @@ def check_backup(ctx: Context) -> list[Finding]:
             f"backup of the {mode} dataplane ({', '.join(planes)}: {len(serving)} service "
             f"destinations) written to {path} and verified",
             "restore it by hand if everything else fails",
-            restore_commands(mode, sections, str(path)),
+            restore_commands(mode, _present(mode, snap, sections), str(path)),
             facts={"path": str(path), "destinations": len(serving), "bytes": len(text)},
         )
     ]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kproxy.cli_common import HostOpt, UsageError, fail
+from kproxy.cli_common import HostOpt, SwitchLayoutOpt, UsageError, check_switch_layout, fail
 from kproxy.defaults import DEFAULT_STATE_DIR
 from kproxy.ops.inputs import OpsInputs, ops_inputs, with_running_proxy
 from kproxy.ops.preflight.findings import EXIT_USAGE
@@ -93,6 +93,7 @@ def preflight_command(
             "the running kproxy runs the checks with the objects and mode it already has).",
         ),
     ] = False,
+    nftables_layout: SwitchLayoutOpt = None,
 ) -> None:
     """Check whether a switch to --to is safe on this node; explain what is not and how to fix it.
 
@@ -106,11 +107,12 @@ def preflight_command(
     severity (block, warn, info), what was found, why it matters and the commands that fix it.
 
     Exit codes: 0 safe (nothing blocks; warnings and info do not), 1 blocked (at least one
-    finding of severity block), 2 usage error (unknown mode, missing file).
+    finding of severity block), 2 usage error (unknown mode or layout, missing file).
     """
 
     try:
         target = check_mode_name(to)
+        check_switch_layout(nftables_layout, target)
         if current is not None:
             check_mode_name(current, "--from")
         inputs = with_running_proxy(
@@ -127,7 +129,13 @@ def preflight_command(
     own = (config_path, source, current, netns, backup, hostname)
     ask = not no_daemon and all(v is None for v in own)
     result = running_or_read(
-        inputs, target, ask=ask, backup="write", current_mode=current, backup_path=backup
+        inputs,
+        target,
+        ask=ask,
+        backup="write",
+        current_mode=current,
+        backup_path=backup,
+        layout=nftables_layout,
     )
     if as_json:
         typer.echo(result.to_json())
@@ -144,14 +152,16 @@ def running_or_read(
     backup: str,
     current_mode: str | None = None,
     backup_path: Path | None = None,
+    layout: str | None = None,
 ) -> PreflightResult:
-    """The preflight of a switch to `target`: the running kproxy's own when `ask` and one
-    answers, else read here from `inputs`; the notes of both ways first."""
+    """The preflight of a switch to `target` (nftables mode: in `layout`; None: the one the
+    switch would use): the running kproxy's own when `ask` and one answers, else read here
+    from `inputs`; the notes of both ways first."""
     from kproxy.ops.preflight.run import run_preflight
 
     result = None
     if ask:
-        result, note = ask_running(inputs, target, backup=backup)
+        result, note = ask_running(inputs, target, backup=backup, layout=layout)
         inputs = replace(inputs, notes=(*inputs.notes, note)) if note else inputs
     if result is None:
         result = run_preflight(
@@ -164,13 +174,14 @@ def running_or_read(
             current_mode=current_mode,
             node_name=inputs.node_name,
             backup_path=backup_path,
+            target_layout=layout,
         )
     result.notes = [*inputs.notes, *result.notes]
     return result
 
 
 def ask_running(
-    inputs: OpsInputs, target: str, *, backup: str
+    inputs: OpsInputs, target: str, *, backup: str, layout: str | None = None
 ) -> tuple[PreflightResult | None, str | None]:
     """The running kproxy's own preflight of a switch to `target` (the admin op
     `preflight`), and a note when one answers but could not run it (then the caller reads
@@ -181,6 +192,8 @@ def ask_running(
     if inputs.status is None:
         return None, None
     request = {"op": "preflight", "to": target, "backup": backup}
+    if layout is not None:
+        request["nftables_layout"] = layout
     try:
         answer = call(inputs.admin_target, request, timeout=LIVE_TIMEOUT)
     except (AdminUnavailable, OSError, ValueError) as err:
@@ -210,6 +223,11 @@ class SwitchGate:
     forced: bool
 
     @property
+    def described(self) -> str:
+        """The target for messages, with nftables mode's layout (the preflight's)."""
+        return str(self.result.target_described)
+
+    @property
     def refused(self) -> bool:
         return not self.result.safe and not self.forced
 
@@ -227,8 +245,10 @@ class SwitchGate:
             "ok": False,
             "refused": True,
             "from_mode": self.result.current_mode,
+            "from_layout": self.result.current_layout,
             "to_mode": self.target,
-            "error": f"{self.target} mode cannot run here: preflight blocked the switch "
+            "to_layout": self.result.target_layout,
+            "error": f"{self.described} mode cannot run here: preflight blocked the switch "
             f"(--force overrides): {blocking}",
             "preflight": self.result.to_dict(),
         }
@@ -247,27 +267,33 @@ class SwitchGate:
         return report
 
 
-def switch_gate(to: str, inputs: OpsInputs, *, force: bool) -> SwitchGate | None:
-    """Run preflight for `kproxy switch --to`. None when there is nothing to check here:
-    no kproxy answers (the switch call reports that), or --to previous without a previous
-    mode (the proxy answers that). Raises UsageError for bad arguments."""
+def switch_gate(
+    to: str, inputs: OpsInputs, *, force: bool, layout: str | None = None
+) -> SwitchGate | None:
+    """Run preflight for `kproxy switch --to` (--nftables-layout: `layout`). None when
+    there is nothing to check here: no kproxy answers (the switch call reports that), or
+    --to previous without a previous mode (the proxy answers that). Raises UsageError for
+    bad arguments."""
     own_inputs = inputs.config_path or inputs.source or inputs.netns
     inputs = with_running_proxy(inputs)
     status = inputs.status
     if status is None:
         return None
-    target = status.get("previous_mode") if to == "previous" else to
+    if to == "previous":
+        target, layout = status.get("previous_mode"), status.get("previous_nftables_layout")
+    else:
+        target = to
     if not target:
         return None
     target = check_mode_name(target)
     # The switch records the dataplane itself when it starts: no backup here.
-    result = running_or_read(inputs, target, ask=not own_inputs, backup="switch")
+    result = running_or_read(inputs, target, ask=not own_inputs, backup="switch", layout=layout)
     gate = SwitchGate(target, result, force)
     if not result.safe and force:
         ids = ", ".join(f.id for f in result.blocking)
-        log.warning("switch to %s FORCED past blocking preflight findings: %s", target, ids)
+        log.warning("switch to %s FORCED past blocking preflight findings: %s", gate.described, ids)
         typer.secho(
-            f"kproxy: warning: --force: switching to {target} despite blocking preflight "
+            f"kproxy: warning: --force: switching to {gate.described} despite blocking preflight "
             f"findings: {ids}",
             err=True,
             fg=typer.colors.YELLOW,
@@ -278,10 +304,13 @@ def switch_gate(to: str, inputs: OpsInputs, *, force: bool) -> SwitchGate | None
 
 def _record_forced(state_dir: Path, gate: SwitchGate) -> None:
     """A forced switch leaves a file next to the switch snapshots, for whoever looks later."""
+    from kproxy.dataplane.nftables.layouts import target_name
+
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        path = state_dir / f"switch-{stamp}-forced-{gate.target}-preflight.json"
+        name = target_name(gate.target, gate.result.target_layout)
+        path = state_dir / f"switch-{stamp}-forced-{name}-preflight.json"
         path.write_text(gate.result.to_json() + "\n")
     except OSError as err:
         log.warning("could not record the forced switch: %s", err)
@@ -293,9 +322,9 @@ def print_gate(gate: SwitchGate) -> None:
 
     shown = [f for f in gate.result.findings if f.severity is not Severity.INFO]
     if not shown and gate.result.safe:
-        typer.echo(f"preflight: nothing blocks a switch to {gate.target}")
+        typer.echo(f"preflight: nothing blocks a switch to {gate.described}")
         return
     verdict = gate.result.verdict()
     if gate.forced and not gate.result.safe:
-        verdict = f"FORCED: switching to {gate.target} despite the blocking findings"
+        verdict = f"FORCED: switching to {gate.described} despite the blocking findings"
     render_text(shown, header=gate.result.header(), verdict=verdict)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from kproxy.config import ProxyConfig, format_duration
 from kproxy.dataplane.base import AVAILABLE_MODES
+from kproxy.dataplane.nftables.layouts import DEFAULT_LAYOUT, TABLES, describe, target_name
 from kproxy.dataplane.nodepolicy import NodePortAddresses
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, block, info, warn
@@ -73,15 +74,63 @@ def check_target_mode(ctx: Context) -> list[Finding]:
                 [f"kproxy switch --to {m}" for m in AVAILABLE_MODES if m != ctx.current_mode][:1],
             )
         )
-    if ctx.current_mode == ctx.target:
+    if ctx.current_mode != ctx.target:
+        return out
+    target = target_name(ctx.target, ctx.target_layout)
+    if target_name(ctx.current_mode, ctx.current_layout) == target:
         out.append(
             info(
                 "mode.same",
-                f"the node already runs {ctx.target} mode: a switch would be refused",
-                facts={"mode": ctx.target},
+                f"the node already runs {describe(ctx.target, ctx.target_layout)} mode: a "
+                "switch would be refused",
+                facts={"mode": ctx.target, "layout": ctx.target_layout},
             )
         )
+    else:
+        out.append(_layout_change(ctx))
     return out
+
+
+def _layout_change(ctx: Context) -> Finding:
+    """nftables mode stays, its layout changes: a switch like any other, between tables."""
+    was = ctx.current_layout or DEFAULT_LAYOUT
+    to = ctx.target_layout or DEFAULT_LAYOUT
+    # Read at start from `kproxy run --nftables-layout` (kproxy's own flag: upstream's
+    # configuration has no layout); a live switch leaves it as it is.
+    started = (ctx.status or {}).get("started_nftables_layout")
+    if started == to:
+        restart = f"the running kproxy was started with --nftables-layout {to}: a restart stays"
+    elif started:
+        restart = (
+            f"the running kproxy was started with --nftables-layout {started}: unless the "
+            f"flag changes where kproxy is started, a "
+            f"restart comes back in the {started} layout and removes the {to} table as a "
+            "leftover"
+        )
+    else:
+        restart = (
+            f"a restart comes back in the layout the flag names ({DEFAULT_LAYOUT} when absent) "
+            "and removes the other layout's table as a leftover"
+        )
+    return info(
+        "mode.layout-change",
+        f"the node runs nftables mode in the {was} layout (table ip {TABLES[was]}); the switch "
+        f"moves it to the {to} layout (table ip {TABLES[to]}), make-before-break: the {to} "
+        f"table is built and verified beside the {was} one, which serves until the cut-over "
+        "and is removed after it",
+        "the layout is kproxy's own setting, `kproxy run --nftables-layout` (not in the "
+        f"configuration file), read when kproxy starts; a live switch does not change it: "
+        f"{restart}",
+        []
+        if started == to
+        else [f"kproxy run --nftables-layout {to} ...  # where kproxy is started (its unit)"],
+        facts={
+            "mode": ctx.target,
+            "current_layout": was,
+            "target_layout": to,
+            "started_layout": started,
+        },
+    )
 
 
 def check_mode_in_file(ctx: Context) -> list[Finding]:

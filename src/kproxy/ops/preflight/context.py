@@ -95,6 +95,8 @@ def object_view(objects: Sequence[dict[str, Any]]) -> ObjectView:
 @dataclass
 class Context:
     target: str
+    # nftables mode's layout to switch to (dataplane/nftables/layouts.py; None in other modes)
+    target_layout: str | None = None
     access: NodeAccess = field(default_factory=NodeAccess)
     config_path: Path | None = None
     source: Path | None = None
@@ -103,6 +105,7 @@ class Context:
     # The mode serving now: given, from status, or read from the kernel.
     current_mode: str | None = None
     current_flavour: str | None = None
+    current_layout: str | None = None  # nftables mode's
     node_name: str = ""
     state_dir: Path | None = None
     backup_path: Path | None = None

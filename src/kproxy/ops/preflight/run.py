@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kproxy.config import ProxyConfig
+from kproxy.dataplane.nftables.layouts import describe, switch_layout
 from kproxy.ops.inputs import node_name_of
 from kproxy.ops.preflight import (
     backup,
@@ -72,6 +73,9 @@ class PreflightResult:
     # Where the objects and the mode came from: the running kproxy (live.PATH_LIVE) or
     # read here from the source and the kernel (live.PATH_READ).
     path: str = PATH_READ
+    # nftables mode's layouts (layouts.py) on either side; None for other modes.
+    target_layout: str | None = None
+    current_layout: str | None = None
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> PreflightResult:
@@ -89,6 +93,8 @@ class PreflightResult:
             seconds=float(doc.get("seconds", 0.0)),
             check_seconds=dict(doc.get("check_seconds", {})),
             path=doc.get("path", PATH_READ),
+            target_layout=doc.get("target_layout"),
+            current_layout=doc.get("current_layout"),
         )
 
     @property
@@ -109,8 +115,10 @@ class PreflightResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
+            "target_layout": self.target_layout,
             "path": self.path,
             "current_mode": self.current_mode,
+            "current_layout": self.current_layout,
             "current_flavour": self.current_flavour,
             "node": self.node,
             "netns": self.netns,
@@ -128,18 +136,26 @@ class PreflightResult:
     def to_json(self) -> str:
         return dumps(self.to_dict())
 
+    @property
+    def target_described(self) -> str:
+        """The target for messages: "nftables (compact layout)"; the mode alone otherwise."""
+        return describe(self.target, self.target_layout)
+
     def header(self) -> str:
-        cur = self.current_mode or "no proxy mode"
+        mode = self.current_mode
+        cur = describe(mode, self.current_layout) if mode else "no proxy mode"
         if self.current_flavour and self.current_mode in ("iptables", "userspace"):
             cur += f" (iptables-{self.current_flavour})"
         where = f", network namespace {self.netns}" if self.netns else ""
         how = " (asked the running kproxy)" if self.path == PATH_LIVE else ""
-        return f"kproxy preflight: {cur} -> {self.target} on node {self.node}{where}{how}"
+        target = self.target_described
+        return f"kproxy preflight: {cur} -> {target} on node {self.node}{where}{how}"
 
     def verdict(self) -> str:
+        target = self.target_described
         if self.safe:
-            return f"SAFE: nothing blocks a switch to {self.target}"
-        return f"BLOCKED: {len(self.blocking)} problem(s) make a switch to {self.target} unsafe"
+            return f"SAFE: nothing blocks a switch to {target}"
+        return f"BLOCKED: {len(self.blocking)} problem(s) make a switch to {target} unsafe"
 
     def print_text(self, console: Any = None) -> None:
         render_text(self.findings, header=self.header(), verdict=self.verdict(), console=console)
@@ -156,7 +172,7 @@ def detect_current(snap: dict[str, Any]) -> tuple[str | None, str | None, list[s
             live.append(("userspace", fl))
         elif "-j KUBE-SERVICES" in text and ":KUBE-SERVICES" in text:
             live.append(("iptables", fl))
-    if any(backup.nft_has_kube_proxy(snap.get(s, {}).get("output", "")) for s in backup.NFT_PLANES):
+    if backup.nft_layouts(snap):
         live.append(("nftables", None))
     if "-A -" in snap.get("ipvs", {}).get("output", ""):
         live.append(("ipvs", None))
@@ -271,19 +287,24 @@ def run_preflight(
     families: Sequence[str] | None = None,
     live: LiveState | None = None,
     backup_at_switch: bool = False,
+    target_layout: str | None = None,
 ) -> PreflightResult:
     """All checks for a switch to `target` (validated by the caller: one of the modes).
     live: the running kproxy's own objects and mode (live.py), inside that kproxy.
     backup_at_switch: the switch that follows records the dataplane itself before it
-    changes anything (its "before" snapshot), so no backup is read and written here."""
+    changes anything (its "before" snapshot), so no backup is read and written here.
+    target_layout: nftables mode's layout to switch to (validated by the caller); None:
+    the one the switch would use (the running kproxy's --nftables-layout, from its status)."""
     started = time.monotonic()
     acc = access or NodeAccess()
     status = dict(status) if status else None
     if status and isinstance(status.get("pid"), int):
         status.setdefault("uptime", daemon_uptime(status["pid"]))
         status.setdefault("node_ips", daemon_node_ips(status["pid"]))
+    started_with = (status or {}).get("started_nftables_layout")
     ctx = Context(
         target=target,
+        target_layout=switch_layout(target, target_layout, started_with),
         access=acc,
         config_path=config_path,
         source=source,
@@ -300,6 +321,7 @@ def run_preflight(
     if live is not None:
         # The proxy knows what serves; other modes' state is the leftover check's to find.
         ctx.current_mode, ctx.current_flavour = live.mode, live.flavour
+        ctx.current_layout = live.layout
     else:
         detected, flavour, notes = detect_current(ctx.kernel_snapshot)
         ctx.notes += notes
@@ -307,11 +329,14 @@ def run_preflight(
         ctx.current_flavour = current_flavour or (flavour if ctx.current_mode == detected else None)
         if ctx.current_flavour is None and ctx.current_mode in ("iptables", "userspace"):
             ctx.current_flavour = _flavour_with_state(ctx.kernel_snapshot, ctx.current_mode)
+        if ctx.current_mode == "nftables":
+            ctx.current_layout = _current_layout(ctx)
     read_seconds = time.monotonic() - read_started
     result = PreflightResult(
         target, ctx.current_mode, ctx.current_flavour, ctx.node_name, acc.netns, findings=[]
     )
     result.path = PATH_LIVE if live is not None else PATH_READ
+    result.target_layout, result.current_layout = ctx.target_layout, ctx.current_layout
     result.check_seconds["read.kernel"] = read_seconds
     for family, checks in FAMILIES.items():
         if families is not None and family not in families:
@@ -347,6 +372,22 @@ def run_preflight(
     result.notes = ctx.notes
     result.seconds = time.monotonic() - started
     return result
+
+
+def _current_layout(ctx: Context) -> str | None:
+    """nftables mode's layout serving now: the running kproxy's (its status), else the one
+    whose table the kernel holds (None: neither)."""
+    status = ctx.status or {}
+    if status.get("mode") == "nftables" and status.get("nftables_layout"):
+        return str(status["nftables_layout"])
+    found = backup.nft_layouts(ctx.kernel_snapshot)
+    if len(found) > 1:
+        ctx.notes.append(
+            "the tables of more than one nftables layout exist ("
+            + ", ".join(found)
+            + f"): taken as serving: the {found[0]} layout"
+        )
+    return found[0] if found else None
 
 
 def _flavour_with_state(snap: dict[str, Any], mode: str) -> str | None:
