@@ -39,6 +39,10 @@ if TYPE_CHECKING:  # the agent brings the API client: imported only when it runs
 
 log = logging.getLogger("kproxy.daemon")
 
+# How long a preflight waits for a running sync to end before it reads the kernel instead
+# of taking the dataplane's proof of it (both change during a sync).
+PROOF_WAIT = 2.0
+
 
 class Daemon:
     def __init__(
@@ -257,12 +261,16 @@ class Daemon:
         from kproxy.ops.preflight.live import LiveState, tracker_view
         from kproxy.ops.preflight.run import run_preflight
 
-        snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
+        with self.loop.between_syncs(wait=PROOF_WAIT) as quiet:
+            # The snapshot the dataplane's proof was written from, taken together.
+            snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
+            proven = self.dataplane.proven_dumps() if quiet else {}
         live = LiveState(
             mode=self.dataplane.mode,
             flavour=self.dataplane.iptables_flavour,
             snapshot=snapshot,
             view=tracker_view(*self.tracker.parsed_objects()),
+            proven=proven,
         )
         return run_preflight(
             target,

@@ -12,7 +12,7 @@ taken by the proxy when the switch starts (switch.py), so it is not read here tw
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kproxy.model.objects import Snapshot
@@ -54,6 +54,9 @@ class LiveState:
     view: ObjectView
     # dataplane name -> its service destinations in the kernel now (netns given)
     plane_reader: Callable[[str, str | None], dict[Destination, str]] | None = None
+    # The serving dataplane's proof of what the kernel holds (Dataplane.proven_dumps):
+    # when given, its planes are read from these dumps instead of the kernel.
+    proven: dict[str, str] = field(default_factory=dict)
 
     @property
     def planes(self) -> list[str]:
@@ -62,8 +65,19 @@ class LiveState:
         return planes_of(self.mode, self.flavour, {})
 
     def programmed(self, netns: str | None) -> Programmed:
-        """The serving mode's destinations alone, read by its reader (no other plane)."""
-        if self.plane_reader is None:
+        """The serving mode's destinations alone, read by its reader (no other plane),
+        from the dataplane's proof when it gave one."""
+        read: Callable[[str, str | None], dict[Destination, str]]
+        if self.proven:
+            from kproxy.ops.inspect.destinations import programmed
+            from kproxy.ops.inspect.kernel import RecordedSource
+
+            source = RecordedSource(dumps=self.proven)
+
+            def read(plane: str, _netns: str | None) -> dict[Destination, str]:
+                return programmed(source, [plane]).get(plane, {})
+
+        elif self.plane_reader is None:
             from kproxy.ops.inspect.destinations import plane_destinations
 
             read = plane_destinations
