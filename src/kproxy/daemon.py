@@ -257,17 +257,19 @@ class Daemon:
     def preflight(self, target: str, *, backup_at_switch: bool) -> PreflightResult:
         """The preflight of a switch to `target`, from this proxy's own objects, mode and
         configuration (ops/preflight/live.py): nothing re-read from the source, only the
-        serving mode's destinations read from the kernel."""
+        serving mode's destinations read from the kernel, and not even those while the
+        dataplane proves what the kernel holds (Dataplane.proven_dumps)."""
         from kproxy.ops.preflight.live import LiveState, tracker_view
         from kproxy.ops.preflight.run import run_preflight
 
         with self.loop.between_syncs(wait=PROOF_WAIT) as quiet:
-            # The snapshot the dataplane's proof was written from, taken together.
+            # The dataplane, its proof and the snapshot it was written from, of one moment.
+            dataplane = self.dataplane
             snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
-            proven = self.dataplane.proven_dumps() if quiet else {}
+            proven = dataplane.proven_dumps() if quiet else {}
         live = LiveState(
-            mode=self.dataplane.mode,
-            flavour=self.dataplane.iptables_flavour,
+            mode=dataplane.mode,
+            flavour=dataplane.iptables_flavour,
             snapshot=snapshot,
             view=tracker_view(*self.tracker.parsed_objects()),
             proven=proven,

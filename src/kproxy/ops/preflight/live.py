@@ -5,7 +5,8 @@ and the snapshot it programmed, and knows which mode and iptables backend serve.
 preflight it runs itself (the admin op `preflight`, a rollout's duty) uses those; what it
 still reads of the kernel is only the entries that hold the serving mode's destinations
 (the readers' per-plane read: the nft service map, the iptables nat table), never a whole
-table's JSON dump. The backup of a switch's preflight is the switch's own "before" record,
+table's JSON dump, and not even those while the dataplane proves that the kernel holds
+what it last wrote (Dataplane.proven_dumps: the readers read its dumps instead). The backup of a switch's preflight is the switch's own "before" record,
 taken by the proxy when the switch starts (switch.py), so it is not read here twice.
 """
 
