@@ -6,8 +6,9 @@ preflight it runs itself (the admin op `preflight`, a rollout's duty) uses those
 still reads of the kernel is only the entries that hold the serving mode's destinations
 (the readers' per-plane read: the nft service map, the iptables nat table), never a whole
 table's JSON dump, and not even those while the dataplane proves that the kernel holds
-what it last wrote (Dataplane.proven_dumps: the readers read its dumps instead). The backup of a switch's preflight is the switch's own "before" record,
-taken by the proxy when the switch starts (switch.py), so it is not read here twice.
+what it last wrote (Dataplane.proven_dumps: the readers read its dumps instead). The
+backup of a switch's preflight is the switch's own "before" record, taken by the proxy
+when the switch starts (switch.py), so it is not read here twice.
 """
 
 from __future__ import annotations
