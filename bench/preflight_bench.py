@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,7 +74,8 @@ def switch_preflight(state_dir: Path, to: str) -> dict[str, object]:
         "seconds": round(result.seconds, 3),
         "path": result.path,
         "findings": sorted(f.id for f in result.findings),
-        "top_checks": [(k, round(v, 2)) for k, v in checks[:5]],
+        "checks": [(k, round(v, 2)) for k, v in checks if v >= 0.05],
+        "load": [round(x, 2) for x in os.getloadavg()],
     }
 
 

@@ -14,6 +14,9 @@ from kproxy.dataplane.iptables.backend import IptablesBackend, RestoreError, Tab
 from kproxy.dataplane.iptables.proxier import IptablesDataplane
 from kproxy.model.objects import ServicePortName
 from kproxy.model.snapshot import ChangeTracker
+from kproxy.ops.inspect.destinations import expected_destinations, programmed
+from kproxy.ops.inspect.kernel import RecordedSource
+from kproxy.ops.inspect.model import Destination
 from kproxy.sources.base import ObjectEvent, ObjectKey
 from tests.support.objects import endpoint, endpoint_slice, node, port, service
 
@@ -457,3 +460,37 @@ def test_a_failed_restore_ends_custody(counted: tuple[IptablesDataplane, FakeBac
     with pytest.raises(SyncError):
         plane.sync(t.snapshot(), full=False)
     assert not plane.sync(t.snapshot(), full=True).kernel_unchanged
+
+
+def proven_destinations(plane: IptablesDataplane) -> dict[Destination, str] | None:
+    """What the reader finds in the dataplane's proof (None: no proof)."""
+    proven = plane.proven_dumps()
+    if not proven:
+        return None
+    return programmed(RecordedSource(dumps=proven), ["iptables-nft"]).get("iptables-nft", {})
+
+
+def test_custody_proves_the_destinations_of_the_last_write(
+    counted: tuple[IptablesDataplane, FakeBackend],
+) -> None:
+    plane, backend = counted
+    t = tracker_with(*svc(1), *svc(2))
+    found = proven_destinations(plane)
+    assert found is not None and set(found) == expected_destinations(t.snapshot())
+    assert set(found.values()) == {"default/s1:http", "default/s2:http"}
+    apply(t, *svc(3))
+    plane.sync(t.snapshot(), full=False)  # our own commit: the proof follows it
+    found = proven_destinations(plane)
+    assert found is not None and set(found) == expected_destinations(t.snapshot())
+    assert len(found) == 3
+    assert backend.gen is not None
+    backend.gen += 1  # someone else's commit: nothing is proven until a full sync reads
+    assert proven_destinations(plane) is None
+    plane.sync(t.snapshot(), full=True)
+    assert proven_destinations(plane) is not None
+
+
+def test_no_generation_no_proof(dp: tuple[IptablesDataplane, FakeBackend]) -> None:
+    plane, _backend = dp  # its generation cannot be read (as with legacy, or a tools' runner)
+    plane.sync(tracker_with(*svc(1)).snapshot(), full=True)
+    assert plane.proven_dumps() == {}

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kproxy.daemon import Daemon
+from kproxy.dataplane.iptables.backend import command_wait_flags
 from kproxy.dataplane.kernel_dump import KernelDump
 from kproxy.dataplane.nftables.layouts import LAYOUTS, dataplane_name
 from kproxy.ops.inputs import OpsInputs
@@ -187,6 +188,62 @@ def test_kube_chains_per_backend_by_name_without_a_save(
     both = next(f for f in result.findings if f.id == "iptables.both-backends")
     assert both.facts == {"nft": ["KUBE-SERVICES", "KUBE-SVC-AAAA"], "legacy": ["KUBE-SERVICES"]}
     assert asked == ["ip"] and ["iptables-nft-save"] not in fake.ran
+
+
+def test_the_localnet_guard_is_read_from_its_chain_alone(fake: FakeNode) -> None:
+    """Beside a running kproxy (which reads no save) route_localnet's guard is looked for in
+    KUBE-FIREWALL of each backend that has a filter table, and found in either."""
+    fake.sysctls({"net/ipv4/conf/all/route_localnet": 1})
+    wait = command_wait_flags((1, 8, 9))
+    for flavour in ("nft", "legacy"):
+        fake.command([f"iptables-{flavour}", "--version"], out="iptables v1.8.9\n")
+    listing = {
+        fl: [f"iptables-{fl}", *wait, "-t", "filter", "-S", "KUBE-FIREWALL"]
+        for fl in ("nft", "legacy")
+    }
+    guard = (
+        "-N KUBE-FIREWALL\n"
+        '-A KUBE-FIREWALL -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m comment --comment "block incoming '
+        'localnet connections" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP\n'
+    )
+
+    def exposed() -> bool:
+        found = live_preflight(fake, "nftables", ["sysctls"]).ids()
+        return "sysctl.route-localnet-exposed" in found
+
+    assert exposed()
+    # no legacy table: legacy is not asked (its listing would create the table)
+    assert listing["nft"] in fake.ran and listing["legacy"] not in fake.ran
+    fake.command(listing["nft"], out=guard)
+    assert not exposed()
+    fake.command(listing["nft"], rc=1, err="iptables: No chain/target/match by that name.\n")
+    fake.command(["cat", "/proc/net/ip_tables_names"], out="nat\nfilter\n")
+    fake.command(listing["legacy"], out=guard)
+    assert not exposed()
+    assert not [argv for argv in fake.ran if argv[0].endswith("-save")]
+
+
+def test_the_serving_dataplanes_proof_stands_for_reading_its_plane(fake: FakeNode) -> None:
+    """A dataplane that proves what the kernel holds (Dataplane.proven_dumps) is not read
+    again: its dumps give the destinations the consistency check compares."""
+    state = live_state(objects(), "iptables", "nft", {})
+
+    def no_reading(_plane: str, _netns: str | None) -> dict[Destination, str]:
+        raise AssertionError("the kernel was read though the dataplane proved it")
+
+    state.plane_reader = no_reading
+    state.proven = {"iptables-nft": SAVE}
+    result = run_preflight(
+        "nftables",
+        access=fake.access(),
+        families=["dataplane"],
+        snapshot_taker=never_read,
+        node_name="node1",
+        live=state,
+    )
+    assert state.programmed(None) == PROGRAMMED
+    found = {f.id: f for f in result.findings}
+    assert found["dataplane.extra-services"].facts["extra"] == ["tcp 10.96.9.9:80"]
 
 
 def test_a_result_survives_its_json(fake: FakeNode) -> None:

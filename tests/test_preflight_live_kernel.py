@@ -5,10 +5,13 @@ findings of the preflight that reads everything itself."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,26 +71,7 @@ def test_a_switchs_preflight_asks_the_running_kproxy_and_finds_the_same(
         assert not [c for c in during if c.startswith("list ruleset")], during
         assert "backup.at-switch" in live.ids() and gate.backup_path() is None
         # The same node read the old way (the command line, which reads it all itself).
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kproxy.cli",
-                "preflight",
-                "--to",
-                "iptables",
-                "--json",
-                "--no-daemon",
-                "--state-dir",
-                str(proxy.state_dir),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=300,
-        )
-        full = json.loads(out.stdout)
-        assert full["path"] == PATH_READ
+        full = read_everything(proxy, "iptables")
         read_ids = sorted(f["id"] for f in full["findings"] if not f["id"].startswith("backup."))
         live_ids = sorted(f for f in live.ids() if not f.startswith("backup."))
         assert live_ids == read_ids
@@ -109,3 +93,85 @@ def test_a_switchs_preflight_asks_the_running_kproxy_and_finds_the_same(
             assert to_compact.described == "nftables (compact layout)"
     finally:
         proxy.stop()
+
+
+def saves_during(log: Path, before: int) -> list[str]:
+    return log.read_text().splitlines()[before:]
+
+
+def test_an_iptables_nft_kproxy_proves_its_rules_and_reads_again_once_someone_else_commits(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """kproxy in iptables mode on iptables-nft: while nothing but its own syncs changed the
+    kernel, the switch's preflight to nftables reads no save at all (its destinations come
+    from what it wrote, the localnet guard from KUBE-FIREWALL, the leftover scan stops at the
+    chain names) and finds what reading everything finds. After another program's commit
+    it reads the nat table, and a service rule someone deleted is reported."""
+    saves = tmp_path / "saves.log"
+    saves.touch()
+    for tool in ("iptables-nft-save", "iptables-legacy-save"):
+        logging_tool(tmp_path / "bin", tool, saves)
+    proxy = ProxyProcess(
+        lab,
+        objects(tmp_path / "objects"),
+        config=config(tmp_path, "iptables"),
+        args=["--iptables-backend", "nft"],
+        workdir=tmp_path / "kp",
+        path_prefix=tmp_path / "bin",
+    ).start(timeout=60)
+    try:
+        deadline = time.monotonic() + 20
+        while proxy.status().get("leftovers_removed") is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # the start-up leftover scan, which may read saves, is over
+        before = len(saves.read_text().splitlines())
+        gate = switch_gate("nftables", ops_inputs(state_dir=proxy.state_dir), force=False)
+        assert gate is not None and gate.result.path == PATH_LIVE, gate and gate.result.notes
+        assert saves_during(saves, before) == []  # a full save logs an empty line
+        full = read_everything(proxy, "nftables")
+        read_ids = sorted(f["id"] for f in full["findings"] if not f["id"].startswith("backup."))
+        live_ids = sorted(f for f in gate.result.ids() if not f.startswith("backup."))
+        assert live_ids == read_ids
+        assert "dataplane.missing-services" not in live_ids
+
+        # Someone else deletes web's service rule: the generation moves, nothing is proven.
+        spec = next(
+            line
+            for line in lab.exec(
+                lab.node_ns, ["iptables-nft", "-t", "nat", "-S", "KUBE-SERVICES"]
+            ).stdout.splitlines()
+            if "default/web:http cluster IP" in line
+        )
+        lab.exec(lab.node_ns, ["iptables-nft", "-t", "nat", "-D", *shlex.split(spec)[1:]])
+        before = len(saves.read_text().splitlines())
+        gate = switch_gate("nftables", ops_inputs(state_dir=proxy.state_dir), force=False)
+        assert gate is not None and gate.result.path == PATH_LIVE
+        assert "-t nat" in saves_during(saves, before), saves_during(saves, before)
+        missing = next(f for f in gate.result.findings if f.id == "dataplane.missing-services")
+        assert missing.facts["missing"] == ["tcp 10.96.0.10:80"], missing.facts
+    finally:
+        proxy.stop()
+
+
+def read_everything(proxy: ProxyProcess, to: str) -> dict[str, Any]:
+    """`kproxy preflight --no-daemon --json` for the proxy's node: every read made anew."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kproxy.cli",
+            "preflight",
+            "--to",
+            to,
+            "--json",
+            "--no-daemon",
+            "--state-dir",
+            str(proxy.state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    doc = json.loads(out.stdout)
+    assert doc["path"] == PATH_READ
+    return doc

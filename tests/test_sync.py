@@ -212,3 +212,38 @@ def test_syncs_run_with_the_collector_paused_and_a_full_one_freezes_what_it_leav
         gc.unfreeze()
         if not enabled:
             gc.disable()
+
+
+def test_between_syncs_holds_the_loop_or_gives_up_after_its_wait() -> None:
+    import threading
+
+    loop = make_loop(FakeDataplane(), [])
+    entered = threading.Event()
+
+    def a_sync() -> None:
+        with loop.exclusive():
+            entered.set()
+
+    with loop.between_syncs(wait=0.0) as quiet:
+        assert quiet
+        other = threading.Thread(target=a_sync)
+        other.start()
+        assert not entered.wait(0.2), "a sync ran while the reader held the loop"
+    other.join(timeout=5)
+    assert entered.is_set()
+    release, running = threading.Event(), threading.Event()
+
+    def a_long_sync() -> None:
+        with loop.exclusive():
+            running.set()
+            release.wait(10)
+
+    other = threading.Thread(target=a_long_sync)
+    other.start()
+    assert running.wait(5)
+    started = time.monotonic()
+    with loop.between_syncs(wait=0.2) as quiet:
+        assert not quiet
+    assert 0.2 <= time.monotonic() - started < 5
+    release.set()
+    other.join(timeout=5)

@@ -44,6 +44,9 @@ log = logging.getLogger("kproxy.daemon")
 # starts its runner in between): a preflight asked in that moment waits this long for it
 # rather than answering "still starting".
 PREFLIGHT_START_GRACE = 2.0
+# How long a preflight waits for a running sync to end before it reads the kernel instead
+# of taking the dataplane's proof of it (both change during a sync).
+PROOF_WAIT = 2.0
 
 
 class Daemon:
@@ -261,17 +264,23 @@ class Daemon:
         """The preflight of a switch to `target` (nftables mode: in `layout`, None: the one
         a switch would use), from this proxy's own objects, mode and configuration
         (ops/preflight/live.py): nothing re-read from the source, only the serving mode's
-        destinations read from the kernel."""
+        destinations read from the kernel, and not even those while the dataplane proves
+        what the kernel holds (Dataplane.proven_dumps)."""
         from kproxy.ops.preflight.live import LiveState, tracker_view
         from kproxy.ops.preflight.run import run_preflight
 
-        snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
+        with self.loop.between_syncs(wait=PROOF_WAIT) as quiet:
+            # The dataplane, its proof and the snapshot it was written from, of one moment.
+            dataplane = self.dataplane
+            snapshot = self.loop.applied_snapshot or self.tracker.snapshot()
+            proven = dataplane.proven_dumps() if quiet else {}
         live = LiveState(
-            mode=self.dataplane.mode,
-            flavour=self.dataplane.iptables_flavour,
+            mode=dataplane.mode,
+            flavour=dataplane.iptables_flavour,
             snapshot=snapshot,
             view=tracker_view(*self.tracker.parsed_objects()),
-            layout=self.dataplane.nftables_layout,
+            layout=dataplane.nftables_layout,
+            proven=proven,
         )
         return run_preflight(
             target,

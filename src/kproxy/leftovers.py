@@ -84,8 +84,13 @@ def leftovers_by_mode(
         if backend is None:
             continue
         keep = running.keeps_chain if running and flavour == iptables_flavour else None
+        # A listing tells a dry run that nothing goes without reading every rule.
+        listed = None if remove else dump.iptables_chain_listing(flavour)
         try:
-            found += [(None, o) for o in iptables_cleanup(backend, dry_run=not remove, keep=keep)]
+            found += [
+                (None, o)
+                for o in iptables_cleanup(backend, dry_run=not remove, keep=keep, listed=listed)
+            ]
             found += [(None, o) for o in _switch_rules(dump, backend, remove)]
         except IptablesError as err:
             log.warning("could not clean iptables-%s leftovers: %s", flavour, err)
@@ -108,7 +113,7 @@ def _switch_rules(dump: KernelDump, backend: IptablesBackend, remove: bool) -> l
     from kproxy.dataplane.iptables.cleanup import cleanup_input
 
     if backend.flavour == "legacy":
-        names = dump.run(["cat", "/proc/net/ip_tables_names"]).stdout.split()
+        names = dump.legacy_tables() or []
         raw = parse_save(backend.save("raw")).get("raw") if "raw" in names else None
         rules = sorted(raw.rules) if raw is not None else []
     else:

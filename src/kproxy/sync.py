@@ -131,6 +131,18 @@ class ProxyLoop:
         with self._lock:
             yield
 
+    @contextmanager
+    def between_syncs(self, wait: float) -> Iterator[bool]:
+        """exclusive() if no sync holds the loop for longer than `wait` seconds; yields
+        whether it is held. For a reader that wants the dataplane and the applied snapshot
+        of one moment but can do without (a full sync at 10,000 services takes minutes)."""
+        held = self._lock.acquire(timeout=wait)
+        try:
+            yield held
+        finally:
+            if held:
+                self._lock.release()
+
     def set_dataplane(self, dataplane: Dataplane) -> None:
         """Hand syncing to another dataplane that is already fully programmed."""
         self.dataplane = dataplane

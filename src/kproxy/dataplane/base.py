@@ -115,6 +115,14 @@ class Dataplane:
         """Make the next full sync read and rewrite everything (an operator asked for it);
         a mode that always does is fine with this default."""
 
+    def proven_dumps(self) -> dict[str, str]:
+        """What the kernel provably holds of this mode's service destinations now, as dumps
+        under the keys a kernel source reads them by (ops.inspect.kernel: "iptables-nft",
+        …): what its last sync wrote, while nothing but its own syncs changed the kernel
+        since a full read. Empty when that cannot be proven (the caller reads the kernel).
+        Only while no sync runs (ProxyLoop.between_syncs): a sync changes both."""
+        return {}
+
     @property
     def iptables_flavour(self) -> str | None:
         """The iptables backend this mode writes with ("nft", "legacy"), if it writes any."""

@@ -48,8 +48,8 @@ class KernelDump:
         tables are named in /proc; iptables-nft's are nf_tables tables of the ip family
         with iptables' table names, seen in one netlink table listing."""
         if flavour == "legacy":
-            names = self.run(["cat", "/proc/net/ip_tables_names"])
-            return names.returncode != 0 or bool(names.stdout.split())
+            names = self.legacy_tables()
+            return names is None or bool(names)
         from kproxy.dataplane.nftables.backend import NftBackend, NftError
 
         try:
@@ -73,8 +73,7 @@ class KernelDump:
                 if table in IPTABLES_TABLES
                 for name in names
             ]
-        names = self.run(["cat", "/proc/net/ip_tables_names"])
-        if names.returncode == 0 and not names.stdout.split():
+        if self.legacy_tables() == []:
             return []
         save = self.run(["iptables-legacy-save"])
         return [
@@ -83,8 +82,47 @@ class KernelDump:
             if line.startswith(":") and len(line) > 1
         ]
 
+    def iptables_chain_listing(self, flavour: str) -> dict[str, list[str]] | None:
+        """iptables-nft: every chain name per iptables table, from one netlink dump (no
+        rule read); None for legacy, or when that dump is not possible here."""
+        listed = self.nft_chain_listing("ip") if flavour == "nft" else None
+        if listed is None:
+            return None
+        return {table: names for table, names in listed.items() if table in IPTABLES_TABLES}
+
+    def legacy_tables(self) -> list[str] | None:
+        """The tables iptables-legacy has here (None: that cannot be told). Named in /proc:
+        a legacy tool that reads a missing table creates it, and it stays until the
+        namespace goes."""
+        names = self.run(["cat", "/proc/net/ip_tables_names"])
+        return names.stdout.split() if names.returncode == 0 else None
+
+    def chain_rules(self, flavour: str, table: str, chain: str) -> list[str]:
+        """The '-A' lines of one iptables chain, none when it or its table is not there,
+        read alone (`iptables -S CHAIN`: iptables-nft fetches that chain only, where a
+        save fetches every rule of the family)."""
+        from kproxy.dataplane.iptables.backend import IptablesBackend, IptablesError
+
+        if flavour == "legacy" and table not in (self.legacy_tables() or ()):
+            return []
+        backend = IptablesBackend(flavour, netns=self.netns, runner=self.tool_runner)
+        try:
+            return backend.list_chain(table, chain) or []
+        except IptablesError:
+            return []
+
+    def tool_runner(
+        self, argv: Sequence[str], input_data: str | None
+    ) -> subprocess.CompletedProcess[str]:
+        """The runner of the tools given netns= (they enter the namespace themselves)."""
+        return run_command(argv, input_data)
+
     def nft_chains_by_table(self, family: str) -> dict[str, list[str]]:
         """Every chain name of one nftables family, per table (names only, over netlink)."""
+        return self.nft_chain_listing(family) or {}
+
+    def nft_chain_listing(self, family: str) -> dict[str, list[str]] | None:
+        """nft_chains_by_table(), None when the dump is not possible here."""
         from kproxy.dataplane.nftables.netlink import NetlinkError, NftNetlink
 
         try:
@@ -94,7 +132,7 @@ class KernelDump:
             finally:
                 client.close()
         except (NetlinkError, OSError, KeyError):
-            return {}
+            return None
 
     def nft_tables(self) -> TableBackend | None:
         """The nftables tables (and their removal); None: no nft here."""

@@ -199,6 +199,18 @@ class IptablesDataplane(Dataplane):
         """Make the next full sync read and rewrite everything (an operator asked for it)."""
         self._custody.end()
 
+    def proven_dumps(self) -> dict[str, str]:
+        """nat KUBE-SERVICES as the last sync wrote it (every service's rules, declared
+        with the chain), in save form, while custody holds: the rules the readers find
+        service destinations in, without a save of the nat table (seconds at 10,000
+        services)."""
+        applied = self._applied
+        if applied is None or not self._custody.holds():
+            return {}
+        rules = [r for r in applied.nat_top_rules if r.startswith("-A KUBE-SERVICES ")]
+        text = "\n".join(["*nat", ":KUBE-SERVICES - [0:0]", *rules, "COMMIT"]) + "\n"
+        return {f"iptables-{self.backend.flavour}": text}
+
     def _restore(self, data: str, which: str) -> None:
         try:
             # iptables-nft-restore commits once per table section.

@@ -31,6 +31,7 @@ from kproxy.ops.preflight.findings import Finding
 
 if TYPE_CHECKING:
     from kproxy.ops.inspect.destinations import Programmed
+    from kproxy.ops.preflight.dataplane import NodeDump
     from kproxy.ops.preflight.live import LiveState
 
 log = logging.getLogger("kproxy.preflight")
@@ -197,6 +198,14 @@ class Context:
         from kproxy.ops.preflight.kernelstate import KernelState
 
         return KernelState(self.access)
+
+    @cached_property
+    def node_dump(self) -> NodeDump:
+        """The node's kernel read piece by piece, as a check asks (beside a running
+        kproxy, which reads no kernel state section): one for all the checks."""
+        from kproxy.ops.preflight.dataplane import NodeDump
+
+        return NodeDump(self)
 
     @cached_property
     def programmed(self) -> Programmed:

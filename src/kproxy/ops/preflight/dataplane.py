@@ -135,14 +135,26 @@ class _Tables:
 class NodeDump(KernelDump):
     """The kernel of the preflight's node, its commands run read-only through the node
     access. Beside a running kproxy this is all there is: each part read only when a
-    mode asks (no kernel state section, no whole-table dump)."""
+    mode asks (no kernel state section, no whole-table dump), and the chain listing once
+    for every check that asks (Context.node_dump)."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx.access.netns, state_dir=ctx.state_dir)
         self.ctx = ctx
+        self._chain_listings: dict[str, dict[str, list[str]] | None] = {}
 
     def run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
         return self.ctx.access.run(argv)
+
+    def tool_runner(
+        self, argv: Sequence[str], input_data: str | None
+    ) -> subprocess.CompletedProcess[str]:
+        return self.ctx.access.runner(argv, input_data)
+
+    def nft_chain_listing(self, family: str) -> dict[str, list[str]] | None:
+        if family not in self._chain_listings:
+            self._chain_listings[family] = super().nft_chain_listing(family)
+        return self._chain_listings[family]
 
 
 class _PreflightDump(NodeDump):
@@ -175,6 +187,9 @@ class _PreflightDump(NodeDump):
 
         return run
 
+    def iptables_chain_listing(self, flavour: str) -> dict[str, list[str]] | None:
+        return None  # the saves are read already: no dump besides them
+
     def nft_tables(self) -> _Tables:
         tables = []
         for section in NFT_PLANES:  # each layout's section
@@ -194,7 +209,7 @@ def leftovers_by_mode(ctx: Context) -> list[tuple[str | None, OwnedObject]]:
     the reads preflight already made; each with the mode whose state it is."""
     from kproxy.leftovers import leftovers_by_mode as found_by_mode
 
-    dump = NodeDump(ctx) if ctx.live is not None else _PreflightDump(ctx)
+    dump = ctx.node_dump if ctx.live is not None else _PreflightDump(ctx)
     return found_by_mode(dump, ctx.current_mode, ctx.current_flavour, remove=False)
 
 

@@ -556,9 +556,7 @@ def kube_chains(ctx: Context, flavour: str) -> list[str]:
     or beside a running kproxy (which reads no save) by their names alone."""
     if ctx.live is None:
         return _kube_chains(ctx.kernel_snapshot.get(f"iptables-{flavour}", {}).get("output", ""))
-    from kproxy.ops.preflight.dataplane import NodeDump
-
-    names = NodeDump(ctx).iptables_chains(flavour)
+    names = ctx.node_dump.iptables_chains(flavour)
     return [n for n in names if n.startswith("KUBE-") and n not in _SHARED_CHAINS]
 
 

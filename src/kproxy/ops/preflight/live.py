@@ -5,14 +5,16 @@ and the snapshot it programmed, and knows which mode and iptables backend serve.
 preflight it runs itself (the admin op `preflight`, a rollout's duty) uses those; what it
 still reads of the kernel is only the entries that hold the serving mode's destinations
 (the readers' per-plane read: the nft service map, the iptables nat table), never a whole
-table's JSON dump. The backup of a switch's preflight is the switch's own "before" record,
-taken by the proxy when the switch starts (switch.py), so it is not read here twice.
+table's JSON dump, and not even those while the dataplane proves that the kernel holds
+what it last wrote (Dataplane.proven_dumps: the readers read its dumps instead). The
+backup of a switch's preflight is the switch's own "before" record, taken by the proxy
+when the switch starts (switch.py), so it is not read here twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kproxy.model.objects import Snapshot
@@ -55,6 +57,9 @@ class LiveState:
     # dataplane name -> its service destinations in the kernel now (netns given)
     plane_reader: Callable[[str, str | None], dict[Destination, str]] | None = None
     layout: str | None = None  # nftables mode's (None in other modes)
+    # The serving dataplane's proof of what the kernel holds (Dataplane.proven_dumps):
+    # when given, its planes are read from these dumps instead of the kernel.
+    proven: dict[str, str] = field(default_factory=dict)
 
     @property
     def planes(self) -> list[str]:
@@ -63,8 +68,19 @@ class LiveState:
         return planes_of(self.mode, self.flavour, {}, layout=self.layout)
 
     def programmed(self, netns: str | None) -> Programmed:
-        """The serving mode's destinations alone, read by its reader (no other plane)."""
-        if self.plane_reader is None:
+        """The serving mode's destinations alone, read by its reader (no other plane),
+        from the dataplane's proof when it gave one."""
+        read: Callable[[str, str | None], dict[Destination, str]]
+        if self.proven:
+            from kproxy.ops.inspect.destinations import programmed
+            from kproxy.ops.inspect.kernel import RecordedSource
+
+            source = RecordedSource(dumps=self.proven)
+
+            def read(plane: str, _netns: str | None) -> dict[Destination, str]:
+                return programmed(source, [plane]).get(plane, {})
+
+        elif self.plane_reader is None:
             from kproxy.ops.inspect.destinations import plane_destinations
 
             read = plane_destinations

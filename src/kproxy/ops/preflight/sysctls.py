@@ -11,6 +11,8 @@ import ipaddress
 import json
 import re
 
+from kproxy.dataplane.iptables.render import KUBELET_FIREWALL_CHAIN
+from kproxy.dataplane.kernel_dump import IPTABLES_FLAVOURS
 from kproxy.ops.preflight.context import Check, Context
 from kproxy.ops.preflight.findings import Finding, block, info, warn
 
@@ -43,11 +45,19 @@ def check_ip_forward(ctx: Context) -> list[Finding]:
 
 
 def _localnet_guarded(ctx: Context) -> bool:
-    snap = ctx.kernel_snapshot
-    return any(
-        LOCALNET_GUARD in snap.get(f"iptables-{fl}", {}).get("output", "")
-        for fl in ("nft", "legacy")
-    )
+    """Whether either iptables backend holds the rule that drops martians to 127.0.0.0/8:
+    in the saves preflight read anyway, or beside a running kproxy (which reads no save:
+    at 10,000 services iptables-nft-save alone takes seconds) in the one chain kubelet and
+    kube-proxy put it in."""
+    if ctx.live is None:
+        snap = ctx.kernel_snapshot
+        texts = [snap.get(f"iptables-{fl}", {}).get("output", "") for fl in IPTABLES_FLAVOURS]
+    else:
+        texts = [
+            "\n".join(ctx.node_dump.chain_rules(fl, "filter", KUBELET_FIREWALL_CHAIN))
+            for fl in IPTABLES_FLAVOURS
+        ]
+    return any(LOCALNET_GUARD in text for text in texts)
 
 
 def check_route_localnet(ctx: Context) -> list[Finding]:
