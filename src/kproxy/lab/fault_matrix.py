@@ -42,6 +42,7 @@ STICKY_SPORT = 41999  # the UDP flow to "moving" (the load's own UDP has another
 CONNTRACK_FAILURES = "kproxy_conntrack_cleanup_failures_total"
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
+STATUS_CLI_TIMEOUT = 30.0
 # Failure counters per mode, upstream's names (kproxy_sync_failures_total for every mode;
 # upstream's ipvs mode counts only its iptables-restore failures).
 FAILURE_METRIC = {
@@ -178,6 +179,7 @@ class FaultRig:
         )
         self.load: LoadHarness | None = None
         self.last_divergence: str | None = None  # why the last recovery had not converged
+        self.status_seconds: list[float] = []  # each `kproxy status` CLI call's wall time
         self._prober = lab.agent(lab.pod_ns[0])
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -241,8 +243,22 @@ class FaultRig:
         )
 
     def status(self) -> dict[str, Any]:
-        """`kproxy status --json`, over the admin socket."""
-        proc = subprocess.run(
+        """`kproxy status --json`, over the admin socket (its wall time kept in
+        status_seconds)."""
+        started = time.monotonic()
+        try:
+            proc = self._status_cli()
+        except subprocess.TimeoutExpired:
+            return {"_error": f"kproxy status took over {STATUS_CLI_TIMEOUT:g} s"}
+        finally:
+            self.status_seconds.append(round(time.monotonic() - started, 2))
+        try:
+            return dict(json.loads(proc.stdout))
+        except ValueError:
+            return {"_error": proc.stderr}
+
+    def _status_cli(self) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -255,13 +271,9 @@ class FaultRig:
             capture_output=True,
             text=True,
             check=False,
-            timeout=30,
+            timeout=STATUS_CLI_TIMEOUT,
             env=self.lab.process_env(),
         )
-        try:
-            return dict(json.loads(proc.stdout))
-        except ValueError:
-            return {"_error": proc.stderr}
 
     def switch(self, to: str, timeout: float = 60) -> dict[str, Any]:
         """The switch request `kproxy switch` sends after its preflight (the preflight
@@ -645,10 +657,15 @@ def sync_faults(mode: str, backend: str = "nft") -> list[Case]:
 
 def ipvs_sync_faults() -> list[Case]:
     """(fault, step, inject) in ipvs mode's sync: its ipset restore (a flip changes the
-    hairpin set of endpoints), and its IPVS netlink batch (a flip changes destinations)."""
+    hairpin set of endpoints) fails, hangs past the tool timeout or is killed; its IPVS
+    netlink batch (a flip changes destinations) fails or gets no answer (the injected hang
+    then fails the batch as kproxy.host.netlink_wait's bound does)."""
     return [
         ("ipset restore fails", "sync: ipset", lambda f: f.set("ipset", "fail", match="restore")),
+        ("ipset restore hangs", "sync: ipset", lambda f: f.set("ipset", "hang", match="restore")),
+        ("ipset restore killed", "sync: ipset", lambda f: f.set("ipset", "kill", match="restore")),
         ("ipvs netlink batch fails", "sync: ipvs", lambda f: f.netlink("ipvs", "fail")),
+        ("ipvs netlink batch hangs", "sync: ipvs", lambda f: f.netlink("ipvs", "hang", 3)),
     ]
 
 
