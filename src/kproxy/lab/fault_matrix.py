@@ -13,6 +13,7 @@ flip, only the cleanup of stale conntrack flows moves it to the new pod.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import subprocess
@@ -49,14 +50,6 @@ FAILURE_METRIC = {
     "iptables": "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
     "nftables": "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
 }
-FETCH = """\
-import sys, urllib.request, urllib.error
-try:
-    r = urllib.request.urlopen(sys.argv[1], timeout=5)
-    print(r.status); print(r.read().decode())
-except urllib.error.HTTPError as e:
-    print(e.code); print(e.read().decode())
-"""
 
 
 def _objects(moving_pod: str, pod_ips: dict[str, str], udp: bool = False) -> list[dict[str, Any]]:
@@ -212,14 +205,11 @@ class FaultRig:
     # -- what kproxy says -----------------------------------------------------------------
 
     def http(self, port: int, path: str) -> tuple[int, str]:
-        out = self.lab.exec(
-            self.lab.node_ns,
-            [sys.executable, "-c", FETCH, f"http://127.0.0.1:{port}{path}"],
-            check=False,
-            timeout=15,
-        ).stdout
-        code, _, body = out.partition("\n")
-        return (int(code) if code.strip().isdigit() else 0), body
+        """(HTTP status, body) of kproxy's server on `port` (status 0: no answer)."""
+        try:
+            return self.proxy.get(f"http://127.0.0.1:{port}{path}", timeout=5)
+        except (OSError, http.client.HTTPException):
+            return 0, ""
 
     def healthz(self) -> int:
         return self.http(HEALTHZ_PORT, "/healthz")[0]
@@ -413,6 +403,8 @@ class FaultRig:
             # load): the 503 must come, within a bound, not at one instant.
             out.healthz_503 = self._healthz_turns_503(queued + 2 * self.sync_period + 10)
             out.notes = str(st.get("last_error"))[:160]
+            if not out.healthz_503:
+                out.notes += f"; {self.last_divergence}"
         finally:
             self.faults.clear()
         out.recover_seconds, out.recovered = self._recover()
@@ -421,10 +413,13 @@ class FaultRig:
         return out
 
     def _healthz_turns_503(self, deadline: float) -> bool:
+        seen = []
         while True:
-            if self.healthz() == 503:
+            seen.append(self.healthz())
+            if seen[-1] == 503:
                 return True
             if time.monotonic() > deadline:
+                self.last_divergence = f"/healthz answered {seen[-5:]} (0: no answer)"
                 return False
             time.sleep(0.2)
 
