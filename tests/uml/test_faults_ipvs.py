@@ -44,7 +44,6 @@ EXPECTED_ERROR = {
 }
 
 
-@pytest.mark.xfail(strict=False, reason="flaky in UML under host load: status CLI > 30 s")
 def test_ipset_and_ipvs_netlink_faults_keep_the_untouched_service(
     guest: Guest, lab4: Lab, tmp_path: Path
 ) -> None:
