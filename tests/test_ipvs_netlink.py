@@ -4,8 +4,10 @@ parsing, the module check's message, and which virtual servers count as kube-pro
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
+import time
 
 import pytest
 
@@ -17,18 +19,22 @@ from kproxy.dataplane.ipvs import netlink as nl
 from kproxy.dataplane.ipvs.cleanup import iptables_mode_owns_shared, ownership
 from kproxy.dataplane.ipvs.ipset import parse_save, sync_lines
 from kproxy.dataplane.ipvs.nlsock import (
+    ANSWER_TIMEOUT,
     NLM_F_ACK,
     NLM_F_REQUEST,
     NLMSG_ERROR,
     NLMSG_HDR,
+    NetlinkError,
     NetlinkSocket,
     Request,
     nla,
+    open_socket,
     parse_attrs,
     u16,
     u32,
 )
 from kproxy.dataplane.ipvs.plan import VirtualServer, VSKey
+from kproxy.host.netlink_wait import answer_timeout, bound_blocking_waits
 
 KEY = VSKey("TCP", "10.96.0.10", 80)
 
@@ -175,6 +181,43 @@ def test_batch_asks_one_ack_per_datagram_and_maps_errors_back() -> None:
             offset += (length + 3) & ~3
     acked = [i for i, f in enumerate(flags) if f & NLM_F_ACK]
     assert acked == [1023, 1499] and all(f & NLM_F_REQUEST for f in flags)
+
+
+def _socket_on(sock: socket.socket) -> NetlinkSocket:
+    out = NetlinkSocket.__new__(NetlinkSocket)
+    out.sock = sock
+    out._seq = 100
+    out._buf = bytearray(65536)
+    out._view = memoryview(out._buf)
+    out.batch_bytes = 96 * 1024
+    return out
+
+
+def test_a_batch_the_kernel_never_answers_fails_within_the_bound() -> None:
+    """A lost answer fails the batch (ETIMEDOUT, a failed sync retried later) instead of
+    holding the sync, and the loop's lock, for good."""
+    kernel, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with kernel, ours:
+        bound_blocking_waits(ours, 0.3)
+        started = time.monotonic()
+        with pytest.raises(NetlinkError) as caught:
+            _socket_on(ours).batch([Request(5, 0, b"\0" * 8, "add TCP 10.96.0.10:80")])
+        took = time.monotonic() - started
+        assert caught.value.errno == errno.ETIMEDOUT
+        assert "no answer within" in str(caught.value) and "netlink" in str(caught.value)
+        assert 0.25 < took < 5, took
+        assert kernel.recv(4096), "the batch was not sent"
+        # A dump meets the same bound.
+        with pytest.raises(NetlinkError, match="no answer"):
+            _socket_on(ours).dump(5, b"")
+
+
+def test_ipvs_netlink_sockets_bound_their_waits() -> None:
+    with open_socket(16) as sock:  # NETLINK_GENERIC, as IpvsNetlink opens it
+        for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            sec, usec = struct.unpack("@ll", sock.getsockopt(socket.SOL_SOCKET, opt, 16))
+            assert sec + usec / 1e6 == pytest.approx(ANSWER_TIMEOUT, abs=0.01)
+    assert answer_timeout(96 * 1024) == ANSWER_TIMEOUT
 
 
 # --- ipset ----------------------------------------------------------------------------------

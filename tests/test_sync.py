@@ -8,6 +8,7 @@ import time
 from kproxy.dataplane.base import Dataplane, SyncError, SyncResult
 from kproxy.model.objects import Snapshot
 from kproxy.model.snapshot import ChangeTracker
+from kproxy.server.http import HealthState
 from kproxy.sources.base import ObjectEvent, ObjectKey
 from kproxy.sync import ProxyLoop, udp_serving_map
 from tests.support.objects import endpoint, endpoint_slice, port, service
@@ -149,6 +150,44 @@ def test_failure_keeps_going_and_next_sync_is_full() -> None:
         assert not loop.pending
         first_ok_after_failure = [c for c in plane.calls[2:]]
         assert first_ok_after_failure and all(full for full, _ in first_ok_after_failure[:2])
+    finally:
+        loop.stop()
+
+
+def test_a_change_queued_during_a_sync_stays_unhealthy_while_later_syncs_fail() -> None:
+    """The sync that was running when a change came did not take it: its success must not
+    mark the change synced, or /healthz stays 200 while every later sync fails."""
+    plane = FakeDataplane()
+    loop = make_loop(plane, [])
+    health = HealthState(health_timeout=0.4)
+    loop.observers.append(health)
+    loop.start(ListSource(udp_objects(["10.244.0.2"])))
+    real_sync = plane.sync
+
+    def sync_meeting_a_change(snapshot: Snapshot, *, full: bool) -> SyncResult:
+        if not plane.calls[1:]:  # the first sync after start: a change arrives meanwhile
+            loop.on_events([event(udp_objects(["10.244.0.9"])[1])])
+            plane.fail = False
+            result = real_sync(snapshot, full=full)
+            plane.fail = True  # every later sync fails
+            return result
+        return real_sync(snapshot, full=full)
+
+    plane.sync = sync_meeting_a_change  # type: ignore[method-assign]
+    try:
+        loop.on_events([event(udp_objects(["10.244.0.3"])[1])])
+        deadline = time.monotonic() + 3
+        while loop.status.failures < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.status.failures >= 2 and loop.pending
+        time.sleep(0.5)
+        assert health.report()[0] is False, "healthy while a queued change waits on"
+        plane.sync = real_sync  # type: ignore[method-assign]
+        plane.fail = False
+        deadline = time.monotonic() + 3
+        while loop.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert health.report()[0] is True
     finally:
         loop.stop()
 

@@ -95,6 +95,9 @@ class ProxyLoop:
         self._applied: Snapshot | None = None
         self._applied_generation = -1
         self._udp_cleanup_owed = False  # a failed cleanup is retried at the next sync
+        # When the oldest change no sync has taken yet was queued (None: none waits). A change
+        # queued while a sync runs is not in that sync: its success must not clear it.
+        self._oldest_unsynced: float | None = None
         self._last_drift_check = time.monotonic()
         self.runner = BoundedFrequencyRunner(
             "sync",
@@ -111,6 +114,8 @@ class ProxyLoop:
         if self.tracker.apply(events):
             now = time.time()
             self.status.last_queued = now
+            if self._oldest_unsynced is None:
+                self._oldest_unsynced = now
             pending = self.tracker.counts
             for obs in self.observers:
                 obs.queued(now, len(pending.pending_services), len(pending.pending_endpoints))
@@ -176,6 +181,7 @@ class ProxyLoop:
     def _sync_locked(self) -> tuple[bool, bool]:
         """One sync; (succeeded, was a full sync)."""
         generation = self.tracker.generation
+        taken, self._oldest_unsynced = self._oldest_unsynced, None
         snapshot = self.tracker.snapshot()
         counts = self.tracker.take_counts()
         now = time.time()
@@ -194,11 +200,13 @@ class ProxyLoop:
                 result = self.dataplane.sync(snapshot, full=full)
         except SyncError as err:
             self.tracker.return_counts(counts)
+            self._still_unsynced(taken)
             self._record_failure(str(err), full)
             return False, False
         except Exception as err:  # a bug must not kill the loop; keep the last good rules
             log.exception("sync failed unexpectedly")
             self.tracker.return_counts(counts)
+            self._still_unsynced(taken)
             self._record_failure(f"{type(err).__name__}: {err}", full)
             return False, False
         took = time.monotonic() - started
@@ -230,7 +238,18 @@ class ProxyLoop:
         self._clean_udp_conntrack(previous, snapshot)
         for obs in self.observers:
             obs.synced(snapshot, result, took, counts)
+        waiting = self._oldest_unsynced
+        if waiting is not None:
+            # Queued during this sync: still waiting, since it was queued (/healthz).
+            pending = self.tracker.counts
+            for obs in self.observers:
+                obs.queued(waiting, len(pending.pending_services), len(pending.pending_endpoints))
         return True, result.full
+
+    def _still_unsynced(self, taken: float | None) -> None:
+        """A failed sync's changes wait on, since they were first queued."""
+        if taken is not None and (self._oldest_unsynced is None or taken < self._oldest_unsynced):
+            self._oldest_unsynced = taken
 
     def _drifted(self) -> bool:
         # At most once per sync period: the check costs a process (and a table read on big

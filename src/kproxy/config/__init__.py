@@ -43,31 +43,74 @@ and strict YAML), flags.py (the flag mapping), rule_options.py (what the datapla
 problems.py and addresses.py (shared message and address helpers).
 """
 
-from kproxy.config.durations import (
-    format_duration,
-    format_duration_ns,
-    parse_duration,
-    parse_duration_ns,
-)
-from kproxy.config.flags import FLAG_NAMES, apply_flags
-from kproxy.config.loading import load_config, parse_config
-from kproxy.config.problems import ConfigError
-from kproxy.config.rule_options import rule_options
-from kproxy.config.schema import (
-    API_VERSION,
-    IPVS_SCHEDULERS,
-    KIND,
-    ClientConnectionConfig,
-    ConntrackConfig,
-    DetectLocalConfig,
-    IPTablesConfig,
-    IPVSConfig,
-    NFTablesConfig,
-    ProxyConfig,
-)
-from kproxy.config.validation import validate_config
-from kproxy.dataplane.nodepolicy import DETECT_LOCAL_MODES
-from kproxy.modes import MODES
+import importlib
+from typing import TYPE_CHECKING
+
+# Each name's module, imported when the name is first asked for: a command that needs one
+# small piece (`kproxy status` checks a duration) loads neither the models nor pydantic,
+# which would add a second to every start (more in a UML guest).
+_HOMES: dict[str, str] = {
+    "format_duration": "kproxy.config.durations",
+    "format_duration_ns": "kproxy.config.durations",
+    "parse_duration": "kproxy.config.durations",
+    "parse_duration_ns": "kproxy.config.durations",
+    "FLAG_NAMES": "kproxy.config.flags",
+    "apply_flags": "kproxy.config.flags",
+    "load_config": "kproxy.config.loading",
+    "parse_config": "kproxy.config.loading",
+    "ConfigError": "kproxy.config.problems",
+    "rule_options": "kproxy.config.rule_options",
+    "API_VERSION": "kproxy.config.schema",
+    "IPVS_SCHEDULERS": "kproxy.config.schema",
+    "KIND": "kproxy.config.schema",
+    "ClientConnectionConfig": "kproxy.config.schema",
+    "ConntrackConfig": "kproxy.config.schema",
+    "DetectLocalConfig": "kproxy.config.schema",
+    "IPTablesConfig": "kproxy.config.schema",
+    "IPVSConfig": "kproxy.config.schema",
+    "NFTablesConfig": "kproxy.config.schema",
+    "ProxyConfig": "kproxy.config.schema",
+    "validate_config": "kproxy.config.validation",
+    "DETECT_LOCAL_MODES": "kproxy.dataplane.nodepolicy",
+    "MODES": "kproxy.modes",
+}
+
+if TYPE_CHECKING:
+    from kproxy.config.durations import (
+        format_duration,
+        format_duration_ns,
+        parse_duration,
+        parse_duration_ns,
+    )
+    from kproxy.config.flags import FLAG_NAMES, apply_flags
+    from kproxy.config.loading import load_config, parse_config
+    from kproxy.config.problems import ConfigError
+    from kproxy.config.rule_options import rule_options
+    from kproxy.config.schema import (
+        API_VERSION,
+        IPVS_SCHEDULERS,
+        KIND,
+        ClientConnectionConfig,
+        ConntrackConfig,
+        DetectLocalConfig,
+        IPTablesConfig,
+        IPVSConfig,
+        NFTablesConfig,
+        ProxyConfig,
+    )
+    from kproxy.config.validation import validate_config
+    from kproxy.dataplane.nodepolicy import DETECT_LOCAL_MODES
+    from kproxy.modes import MODES
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
 
 __all__ = [
     "API_VERSION",

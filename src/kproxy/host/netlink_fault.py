@@ -5,7 +5,8 @@ process starts with KPROXY_NETLINK_FAULT naming a control file. Then each batch 
 file; a line `KIND ACTION [SECONDS]` (KIND: nftables, ipvs or any) applies:
 
   fail          the batch is refused before it is sent (EIO)
-  hang SECONDS  it gets no answer for SECONDS, then fails as an unanswered batch does
+  hang SECONDS  it gets no answer for SECONDS (default: just past the bound of
+                kproxy.host.netlink_wait), then fails as an unanswered batch does
 
 A missing or empty file means no fault, so a test switches faults on and off while
 kproxy runs."""
@@ -17,6 +18,8 @@ import os
 import time
 from pathlib import Path
 from typing import Final
+
+from kproxy.host.netlink_wait import answer_timeout
 
 ENV: Final = "KPROXY_NETLINK_FAULT"
 CONTROL: Final = os.environ.get(ENV) or None
@@ -36,5 +39,5 @@ def inject(kind: str) -> None:
     if action == "fail":
         raise OSError(errno.EIO, f"{kind} netlink batch refused (injected fault)")
     if action == "hang":
-        time.sleep(float(words[2]) if len(words) > 2 else 11.0)
+        time.sleep(float(words[2]) if len(words) > 2 else answer_timeout() + 1)
         raise OSError(errno.ETIMEDOUT, f"{kind} netlink batch unanswered (injected fault)")

@@ -17,6 +17,7 @@ layout.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import subprocess
@@ -54,20 +55,13 @@ STICKY_SPORT = 41999  # the UDP flow to "moving" (the load's own UDP has another
 CONNTRACK_FAILURES = "kproxy_conntrack_cleanup_failures_total"
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
+STATUS_CLI_TIMEOUT = 30.0
 # Failure counters per mode, upstream's names (kproxy_sync_failures_total for every mode;
 # upstream's ipvs mode counts only its iptables-restore failures).
 FAILURE_METRIC = {
     "iptables": "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
     "nftables": "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
 }
-FETCH = """\
-import sys, urllib.request, urllib.error
-try:
-    r = urllib.request.urlopen(sys.argv[1], timeout=5)
-    print(r.status); print(r.read().decode())
-except urllib.error.HTTPError as e:
-    print(e.code); print(e.read().decode())
-"""
 
 
 def _objects(moving_pod: str, pod_ips: dict[str, str], udp: bool = False) -> list[dict[str, Any]]:
@@ -193,6 +187,7 @@ class FaultRig:
         )
         self.load: LoadHarness | None = None
         self.last_divergence: str | None = None  # why the last recovery had not converged
+        self.status_seconds: list[float] = []  # each `kproxy status` CLI call's wall time
         self._prober = lab.agent(lab.pod_ns[0])
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -225,14 +220,11 @@ class FaultRig:
     # -- what kproxy says -----------------------------------------------------------------
 
     def http(self, port: int, path: str) -> tuple[int, str]:
-        out = self.lab.exec(
-            self.lab.node_ns,
-            [sys.executable, "-c", FETCH, f"http://127.0.0.1:{port}{path}"],
-            check=False,
-            timeout=15,
-        ).stdout
-        code, _, body = out.partition("\n")
-        return (int(code) if code.strip().isdigit() else 0), body
+        """(HTTP status, body) of kproxy's server on `port` (status 0: no answer)."""
+        try:
+            return self.proxy.get(f"http://127.0.0.1:{port}{path}", timeout=5)
+        except (OSError, http.client.HTTPException):
+            return 0, ""
 
     def healthz(self) -> int:
         return self.http(HEALTHZ_PORT, "/healthz")[0]
@@ -256,8 +248,22 @@ class FaultRig:
         )
 
     def status(self) -> dict[str, Any]:
-        """`kproxy status --json`, over the admin socket."""
-        proc = subprocess.run(
+        """`kproxy status --json`, over the admin socket (its wall time kept in
+        status_seconds)."""
+        started = time.monotonic()
+        try:
+            proc = self._status_cli()
+        except subprocess.TimeoutExpired:
+            return {"_error": f"kproxy status took over {STATUS_CLI_TIMEOUT:g} s"}
+        finally:
+            self.status_seconds.append(round(time.monotonic() - started, 2))
+        try:
+            return dict(json.loads(proc.stdout))
+        except ValueError:
+            return {"_error": proc.stderr}
+
+    def _status_cli(self) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -270,13 +276,9 @@ class FaultRig:
             capture_output=True,
             text=True,
             check=False,
-            timeout=30,
+            timeout=STATUS_CLI_TIMEOUT,
             env=self.lab.process_env(),
         )
-        try:
-            return dict(json.loads(proc.stdout))
-        except ValueError:
-            return {"_error": proc.stderr}
 
     def switch(self, to: str, timeout: float = 60) -> dict[str, Any]:
         """The switch request `kproxy switch` sends after its preflight (the preflight
@@ -427,16 +429,21 @@ class FaultRig:
             # load): the 503 must come, within a bound, not at one instant.
             out.healthz_503 = self._healthz_turns_503(queued + 2 * self.sync_period + 10)
             out.notes = str(st.get("last_error"))[:160]
+            if not out.healthz_503:
+                out.notes += f"; {self.last_divergence}"
         finally:
             self.faults.clear()
         self._finish(out, failed0)
         return out
 
     def _healthz_turns_503(self, deadline: float) -> bool:
+        seen = []
         while True:
-            if self.healthz() == 503:
+            seen.append(self.healthz())
+            if seen[-1] == 503:
                 return True
             if time.monotonic() > deadline:
+                self.last_divergence = f"/healthz answered {seen[-5:]} (0: no answer)"
                 return False
             time.sleep(0.2)
 
@@ -674,10 +681,15 @@ def sync_faults(mode: str, backend: str = "nft") -> list[Case]:
 
 def ipvs_sync_faults() -> list[Case]:
     """(fault, step, inject) in ipvs mode's sync: its ipset restore (a flip changes the
-    hairpin set of endpoints), and its IPVS netlink batch (a flip changes destinations)."""
+    hairpin set of endpoints) fails, hangs past the tool timeout or is killed; its IPVS
+    netlink batch (a flip changes destinations) fails or gets no answer (the injected hang
+    then fails the batch as kproxy.host.netlink_wait's bound does)."""
     return [
         ("ipset restore fails", "sync: ipset", lambda f: f.set("ipset", "fail", match="restore")),
+        ("ipset restore hangs", "sync: ipset", lambda f: f.set("ipset", "hang", match="restore")),
+        ("ipset restore killed", "sync: ipset", lambda f: f.set("ipset", "kill", match="restore")),
         ("ipvs netlink batch fails", "sync: ipvs", lambda f: f.netlink("ipvs", "fail")),
+        ("ipvs netlink batch hangs", "sync: ipvs", lambda f: f.netlink("ipvs", "hang", 3)),
     ]
 
 

@@ -8,6 +8,8 @@ messages in one datagram; the kernel processes them in order under one lock and 
 BATCH_MESSAGES, and the ack of every message is matched back to it by sequence number.
 
 A socket for another network namespace is opened from a thread that setns()es into it.
+Every wait for the kernel is bounded (kproxy.host.netlink_wait): a lost answer fails the
+request with ETIMEDOUT instead of blocking the sync for good.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kproxy.host import netlink_fault
+from kproxy.host.netlink_wait import answer_timeout, bound_blocking_waits
 from kproxy.host.netns import socket_in_netns
 
 NLMSG_HDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
@@ -43,6 +46,8 @@ BATCH_MESSAGES = 1024
 BATCH_BYTES = 96 * 1024
 RECV_BUFFER = 256 * 1024
 RCVBUF = 4 * 1024 * 1024
+# A datagram is at most BATCH_BYTES; a dump's answer comes in parts, each waited for alike.
+ANSWER_TIMEOUT = answer_timeout(BATCH_BYTES)
 
 
 class NetlinkError(OSError):
@@ -141,6 +146,7 @@ def open_socket(proto: int, netns: str | None = None) -> socket.socket:
     # Error acks carry only the failed message's header, not all of it (less to read back).
     with contextlib.suppress(OSError):
         sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
+    bound_blocking_waits(sock, ANSWER_TIMEOUT)
     return sock
 
 
@@ -189,7 +195,7 @@ class NetlinkSocket:
                 size += NLMSG_HDR.size + len(requests[i].payload)
                 i += 1
             barrier = next(reversed(pending))
-            self.sock.send(
+            self._send(
                 b"".join(
                     self._frame(
                         req.type,
@@ -213,9 +219,22 @@ class NetlinkSocket:
                         done = True
         return failed
 
+    def _send(self, data: bytes) -> None:
+        try:
+            self.sock.send(data)
+        except BlockingIOError as err:
+            raise self._timed_out("no room for the request") from err
+
     def _recv(self) -> Iterator[tuple[int, int, int, bytes]]:
-        n = self.sock.recv_into(self._buf)
+        try:
+            n = self.sock.recv_into(self._buf)
+        except BlockingIOError as err:
+            raise self._timed_out("no answer") from err
         return self._messages(bytes(self._view[:n]))
+
+    def _timed_out(self, what: str) -> NetlinkError:
+        # A late answer is told apart by its sequence number: the socket stays usable.
+        return NetlinkError(errno.ETIMEDOUT, f"netlink: {what} within {ANSWER_TIMEOUT:.0f} s")
 
     def request(self, req: Request) -> None:
         """One acked request; NetlinkError when refused."""
@@ -225,7 +244,7 @@ class NetlinkSocket:
     def dump(self, msg_type: int, payload: bytes) -> list[tuple[int, bytes]]:
         """A dump request; every reply message as (type, payload)."""
         seq = self._next_seq()
-        self.sock.send(self._frame(msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, payload))
+        self._send(self._frame(msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, payload))
         out: list[tuple[int, bytes]] = []
         while True:
             for t, _flags, s, body in self._recv():
@@ -243,7 +262,7 @@ class NetlinkSocket:
     def get(self, msg_type: int, payload: bytes, what: str = "") -> list[tuple[int, bytes]]:
         """A plain (non-dump) request that answers with messages (e.g. a genl family query)."""
         seq = self._next_seq()
-        self.sock.send(self._frame(msg_type, NLM_F_REQUEST | NLM_F_ACK, seq, payload))
+        self._send(self._frame(msg_type, NLM_F_REQUEST | NLM_F_ACK, seq, payload))
         out: list[tuple[int, bytes]] = []
         while True:
             for t, _flags, s, body in self._recv():

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kproxy.host import netlink_fault
+from kproxy.host.netlink_wait import answer_timeout
 from kproxy.host.netns import socket_in_netns
 
 NETLINK_NETFILTER: Final = 12
@@ -455,7 +456,7 @@ class NftNetlink:
         if self._sock is None:
             sock = open_socket(self.netns)
             sock.bind((0, 0))
-            sock.settimeout(10.0)
+            sock.settimeout(answer_timeout())
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             self._sock = sock
         return self._sock
@@ -501,8 +502,7 @@ class NftNetlink:
             except OSError:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, len(data))
             self._sndbuf = len(data)
-        # The kernel's time grows with the batch; small ones get the usual 10 s.
-        timeout = 10.0 + len(data) / 1_000_000
+        timeout = answer_timeout(len(data))
         sock.settimeout(timeout)
         sock.send(data)
         pending = {end - 1}  # the ACK of the last message (or any error) ends the batch
@@ -546,7 +546,8 @@ class NftNetlink:
         """One GET request (a dump with NLM_F_DUMP); yield (nfgen family, attributes) of
         each `answer` message until the kernel's ACK or DONE."""
         sock = self._socket()
-        sock.settimeout(10.0)
+        timeout = answer_timeout()
+        sock.settimeout(timeout)
         seq = self._seq
         self._seq += 1
         msg_type = (NFNL_SUBSYS_NFTABLES << 8) | request
@@ -563,7 +564,7 @@ class NftNetlink:
             try:
                 data = sock.recv(1 << 20)
             except TimeoutError as err:
-                raise NetlinkError("no answer from nf_tables within 10 s") from err
+                raise NetlinkError(f"no answer from nf_tables within {timeout:.0f} s") from err
             offset = 0
             while offset + 16 <= len(data):
                 length, kind, _, got_seq, _ = struct.unpack_from("=IHHII", data, offset)
