@@ -162,9 +162,11 @@ def run_pair(
         )
         proxy.start(timeout=900)
         load = LoadHarness(lab, tcp=("10.95.255.250", 80)).start()
+        starts: list[float] = []
         try:
             for to in (second, first):
                 t0 = time.monotonic()
+                starts.append(t0 - load.started)  # on the clock of the load's failures
                 out = subprocess.run(
                     [
                         sys.executable,
@@ -222,9 +224,13 @@ def run_pair(
         finally:
             result = load.stop()
             proxy.stop()
-        for r in rows:
+        failed = [t for t, _ in (*result.fresh_failed, *result.pings_failed, *result.udp_failed)]
+        for i, r in enumerate(rows):
             r["failed_requests"] = result.failures
             r["requests"] = result.fresh_sent + result.pings_sent
+            # this switch's share: from its start to the next one's (or the end of the load)
+            until = starts[i + 1] if i + 1 < len(starts) else float("inf")
+            r["failed_during"] = sum(1 for t in failed if starts[i] <= t < until)
         pods = list(lab.pod_ips.values())
         node_ip = lab.node_ip
         options = rule_options(load_config(cfg))
@@ -349,7 +355,8 @@ def main() -> int:
             rows += run_pair(n, first, second, args.port_range, backend, not args.no_bare)
     print(
         "\n| services | switch | ok | total s | preflight | program | verify | cut-over | remove"
-        " | failed | bare tool (program step) | bare s | total / bare | program / bare | load |"
+        " | failed (this switch; whole run) | bare tool (program step) | bare s | total / bare"
+        " | program / bare | load |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -357,7 +364,7 @@ def main() -> int:
         print(
             f"| {r['services']:,} | {r['from']} → {r['to']} | {r['ok']} | {r['seconds']} |"
             f" {r['preflight']} | {r['program']} | {r['verify']} | {r['cut_over']} |"
-            f" {r['remove']} | {r['failed_requests']} / {r['requests']} |"
+            f" {r['remove']} | {r['failed_during']}; {r['failed_requests']} / {r['requests']} |"
             f" {r.get('bare_tool', '-')} | {bare if bare is not None else '-'} |"
             f" {_ratio(r['seconds'], bare)} | {_ratio(r['program'], bare)} | {r['load']} |"
         )
