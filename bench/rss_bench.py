@@ -10,7 +10,10 @@ reads whole rule dumps beside the running mode), STEADY_WAIT seconds more, and r
 Beside the start -> first sync, with bare=True: the bare tool loading the same rules into a
 fresh namespace (`kproxy render` of the same objects, config and mode, run in a fresh
 namespace so that it detects the node facts the daemon detects; then `nft -f` of that text
-in nftables mode, `iptables-<backend>-restore` in iptables mode).
+in nftables mode, `iptables-<backend>-restore` in iptables mode). The iptables text is one
+restore input: iptables-nft-restore of one input grows much faster than linearly with its
+size, where the daemon splits its sync (bench.sync_bench times the bare restore of the same
+pieces); the figure is fair for legacy and nftables mode only.
 
     .venv/bin/python -m bench.rss_bench [--sizes 10000] [--flavours nftables-compact]
         [--repeats 1] [--no-bare]
