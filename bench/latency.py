@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 
+from bench.machine import loadavg
 from kproxy.dataplane.facts import NodeFacts, RuleOptions
 from kproxy.dataplane.iptables.backend import IptablesBackend
 from kproxy.dataplane.iptables.proxier import IptablesDataplane
@@ -130,6 +131,7 @@ def measure(mode: str, n: int, connections: int, repeats: int) -> dict[str, obje
             "p99_us": round(statistics.median(r[1] for r in runs), 1),
             "connections": connections * repeats,
             "failures": failures,
+            "load": loadavg(),  # at the end of the measurement
         }
 
 
@@ -148,14 +150,23 @@ def main() -> None:
             row = measure(mode, n, args.connections, args.repeats)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    header = "| services | mode | p50 µs | p99 µs | connections | failed | programmed |"
+    header = "| services | mode | p50 µs | p99 µs | connections | failed | programmed | load |"
     print(f"\n{header}")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['services']:,} | {r['mode']} | {r['p50_us']} | {r['p99_us']} |"
-            f" {r['connections']:,} | {r['failures']} | {r['program_seconds']} s |"
+            f" {r['connections']:,} | {r['failures']} | {r['program_seconds']} s | {r['load']} |"
         )
+    sizes = sorted({int(str(r["services"])) for r in rows})
+    if len(sizes) > 1:  # the goal's figure: p50 at the largest size against the smallest
+        for mode in args.modes.split(","):
+            p50 = {r["services"]: r["p50_us"] for r in rows if r["mode"] == mode}
+            small, large = float(p50[sizes[0]]), float(p50[sizes[-1]])
+            print(
+                f"{mode}: p50 at {sizes[-1]:,} is {100 * (large / small - 1):+.1f} % of"
+                f" {sizes[0]:,}"
+            )
 
 
 if __name__ == "__main__":

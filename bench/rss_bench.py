@@ -6,22 +6,43 @@ wait for status.json in its state dir to report syncs >= 1, then read /proc/<pid
 then wait for the start-up leftover scan to finish (status.json's leftovers_removed: it
 reads whole rule dumps beside the running mode), STEADY_WAIT seconds more, and read again
 (steady state) together with the CPU the idle process uses over those seconds.
+
+Beside the start -> first sync, with bare=True: the bare tool loading the same rules into a
+fresh namespace (`kproxy render` of the same objects, config and mode, run in a fresh
+namespace so that it detects the node facts the daemon detects; then `nft -f` of that text
+in nftables mode, `iptables-<backend>-restore` in iptables mode). The iptables text is one
+restore input: iptables-nft-restore of one input grows much faster than linearly with its
+size, where the daemon splits its sync (bench.sync_bench times the bare restore of the same
+pieces); the figure is fair for legacy and nftables mode only.
+
+    .venv/bin/python -m bench.rss_bench [--sizes 10000] [--flavours nftables-compact]
+        [--repeats 1] [--no-bare]
+
+Flavours: nft, legacy (iptables mode on that backend), nftables, nftables-compact.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import netns, workload
+from bench import machine, netns, workload
 from bench.fixes import BUG1_MESSAGE
+from bench.nft_incremental import nft_times
+from bench.sync_bench import bare_restore
+from kproxy.dataplane.nftables.layouts import MODE as NFTABLES_MODE
+from kproxy.dataplane.nftables.layouts import parse_target, target_name
 
 FIRST_SYNC_TIMEOUT = 600.0
 STEADY_WAIT = 5.0
@@ -39,6 +60,9 @@ class RssFigures:
     first_sync_s: float = 0.0  # process start -> status.json reports the first sync
     sync_duration_s: float = 0.0  # the first (full) sync itself, as kproxy logs it
     idle_cpu_pct: float = 0.0  # CPU of the idle process (polling), % of one core
+    bare_s: float = 0.0  # the bare tool loading the same rules into a fresh namespace
+    bare_tool: str = ""
+    load: str = ""  # the load average when the first sync was reported
     workaround: str = ""
     problem: str = ""
 
@@ -69,30 +93,39 @@ def _status(path: Path) -> dict[str, object]:
         return {}
 
 
-def prepare_files(workdir: Path, size: int) -> tuple[Path, Path]:
+def prepare_files(workdir: Path, size: int, flavour: str = "legacy") -> tuple[Path, Path]:
+    """The objects of `size` services and the config of the flavour's proxy mode."""
     source = workdir / f"objects-{size}"
     if not source.exists():
         workload.write_source(source, size)
-    config = workdir / "kproxy-config.yaml"
-    config.write_text(workload.CONFIG_YAML)
+    mode, _ = _flavour(flavour)
+    config = workdir / f"kproxy-config-{mode}.yaml"
+    config.write_text(workload.config_yaml(mode))
     return source, config
 
 
-NFTABLES_MODE = "nftables"
+IPTABLES_BACKENDS = ("nft", "legacy")
 
 
-def _mode_args(flavour: str) -> list[str]:
-    """kproxy run's arguments for a measured flavour: an iptables backend (iptables mode)
-    or "nftables" (nftables mode)."""
-    if flavour == NFTABLES_MODE:
-        return ["--proxy-mode", NFTABLES_MODE]
-    return ["--iptables-backend", flavour]
+def _flavour(flavour: str) -> tuple[str, list[str]]:
+    """A measured flavour's proxy mode (for the config file: with one, --proxy-mode is
+    ignored) and kproxy's own options for it: an iptables backend (iptables mode) or
+    nftables mode's dataplane name ("nftables", "nftables-compact": the layout)."""
+    if flavour in IPTABLES_BACKENDS:
+        return "iptables", ["--iptables-backend", flavour]
+    mode, layout = parse_target(flavour)
+    if mode != NFTABLES_MODE:
+        raise ValueError(f"unknown flavour {flavour!r} (nft, legacy, nftables, nftables-compact)")
+    return mode, ["--nftables-layout", layout] if layout else []
 
 
-def measure(flavour: str, size: int, workdir: Path, log: Callable[[str], None]) -> RssFigures:
+def measure(
+    flavour: str, size: int, workdir: Path, log: Callable[[str], None], *, bare: bool = False
+) -> RssFigures:
     """RSS of `kproxy run` at `size` services; flavour: "nft" or "legacy" (iptables mode on
-    that backend) or "nftables" (nftables mode)."""
-    source, config = prepare_files(workdir, size)
+    that backend), "nftables" or "nftables-compact" (nftables mode in a layout). bare: also
+    time the bare tool loading the same rules (bare_load)."""
+    source, config = prepare_files(workdir, size, flavour)
     fig = RssFigures(flavour, size)
     try:
         _run_once(fig, source, config, workdir, precreate=False, log=log)
@@ -103,7 +136,40 @@ def measure(flavour: str, size: int, workdir: Path, log: Callable[[str], None]) 
         log(f"    rss {flavour} {size}: first sync hit bug 1; retrying with the chain pre-created")
         netns.wait_quiet(min_wait=2.0, busy_below=0.2)
         _run_once(fig, source, config, workdir, precreate=True, log=log)
+    if bare:
+        netns.wait_quiet(min_wait=2.0, busy_below=0.2)
+        fig.bare_tool, fig.bare_s = bare_load(flavour, source, config, workdir)
+        log(f"    bare {fig.bare_tool} {fig.size}: {fig.bare_s:.2f} s (load {machine.loadavg()})")
     return fig
+
+
+def rendered_rules(flavour: str, source: Path, config: Path, workdir: Path) -> Path:
+    """`kproxy render` of what the daemon's first sync applies (same objects, config, mode
+    and node IP), run in a fresh namespace so that the facts it detects are the daemon's.
+    Kept in workdir (a render of 10,000 services takes a while)."""
+    path = workdir / f"rules-{flavour}-{source.name}.txt"
+    if path.exists():
+        return path
+    argv = [sys.executable, "-m", "kproxy.cli", "render", "--source", str(source)]
+    argv += ["--config", str(config), "--node-ip", workload.NODE_IP]
+    if flavour not in IPTABLES_BACKENDS:  # render has no backend option: the same text
+        argv += _flavour(flavour)[1]
+    with netns.fresh() as ns:
+        proc = subprocess.run(netns.exec_argv(ns, argv), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kproxy render failed: {proc.stderr.strip()[-800:]}")
+    path.write_text(proc.stdout)
+    return path
+
+
+def bare_load(flavour: str, source: Path, config: Path, workdir: Path) -> tuple[str, float]:
+    """(tool, wall seconds) of the bare tool loading the rendered rules into a fresh
+    namespace: `nft -f` (nftables mode) or `iptables-<backend>-restore` (iptables mode)."""
+    text = rendered_rules(flavour, source, config, workdir).read_text()
+    with netns.fresh() as ns:
+        if flavour in IPTABLES_BACKENDS:
+            return f"iptables-{flavour}-restore", bare_restore(ns, flavour, [text])
+        return "nft -f", nft_times(ns, text, repeats=1)[0]
 
 
 class _Bug1(Exception):
@@ -119,8 +185,9 @@ def _run_once(
     precreate: bool,
     log: Callable[[str], None],
 ) -> None:
-    state = workdir / f"state-{fig.backend}-{fig.size}-{int(precreate)}"
-    logfile = workdir / f"kproxy-{fig.backend}-{fig.size}-{int(precreate)}.log"
+    # a fresh state dir every run (repeats share the workdir): nothing of a previous run read
+    state = Path(tempfile.mkdtemp(dir=workdir, prefix=f"state-{fig.backend}-{fig.size}-"))
+    logfile = state.with_suffix(".log")
     with netns.fresh() as ns:
         if precreate:
             subprocess.run(
@@ -144,7 +211,7 @@ def _run_once(
                 str(state),
                 "--node-ip",
                 workload.NODE_IP,
-                *_mode_args(fig.backend),
+                *_flavour(fig.backend)[1],
             ],
         )
         with logfile.open("w") as out:
@@ -153,8 +220,10 @@ def _run_once(
                 argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
         try:
-            _wait_first_sync(proc, state / "status.json", logfile)
+            st = _wait_first_sync(proc, state / "status.json", logfile)
             fig.first_sync_s = time.monotonic() - t0
+            _check_mode(fig.backend, st, logfile)
+            fig.load = machine.loadavg()
             mem = _proc_status(proc.pid)
             fig.rss_mb, fig.hwm_mb = mem["VmRSS"], mem["VmHWM"]
             found = _FIRST_FULL_RE.search(logfile.read_text(errors="replace"))
@@ -166,7 +235,8 @@ def _run_once(
             fig.steady_rss_mb = _proc_status(proc.pid)["VmRSS"]
             log(
                 f"    rss {fig.backend} {fig.size}: RSS {fig.rss_mb:.0f} MiB, peak "
-                f"{fig.hwm_mb:.0f} MiB, first sync after {fig.first_sync_s:.1f} s"
+                f"{fig.hwm_mb:.0f} MiB, first sync after {fig.first_sync_s:.1f} s "
+                f"(the sync itself {fig.sync_duration_s:.1f} s; load {fig.load})"
             )
         finally:
             _stop(proc)
@@ -189,6 +259,16 @@ def _wait_first_sync(
     raise TimeoutError(f"kproxy did not report a sync within {FIRST_SYNC_TIMEOUT:.0f} s")
 
 
+def _check_mode(flavour: str, status: dict[str, object], logfile: Path) -> None:
+    """The daemon runs the flavour's mode and layout (a flag the config overrides would
+    silently measure another mode)."""
+    mode, layout = str(status.get("mode")), status.get("nftables_layout")
+    running = mode if flavour in IPTABLES_BACKENDS else target_name(mode, str(layout or ""))
+    wanted = "iptables" if flavour in IPTABLES_BACKENDS else flavour
+    if running != wanted:
+        raise RuntimeError(f"kproxy runs {running}, not {wanted}; see {logfile}")
+
+
 def _wait_leftovers(proc: subprocess.Popen[bytes], status: Path) -> float:
     started = time.monotonic()
     deadline = started + FIRST_SYNC_TIMEOUT
@@ -208,3 +288,62 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.rss_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--sizes", default="10000")
+    ap.add_argument("--flavours", default="nftables-compact")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each (flavour, size)")
+    ap.add_argument("--no-bare", action="store_true", help="skip the bare tool's figure")
+    ap.add_argument("--workdir", type=Path, help="keep the objects and rules here")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("bench: needs root (it creates network namespaces)")
+    flavours = [f.strip() for f in args.flavours.split(",") if f.strip()]
+    for flavour in flavours:
+        _flavour(flavour)  # an unknown flavour fails here, before any work
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kproxy-rss-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
+
+    rows: list[RssFigures] = []
+    try:
+        for size in (int(s) for s in args.sizes.split(",")):
+            for flavour in flavours:
+                for _ in range(args.repeats):
+                    fig = measure(flavour, size, workdir, log, bare=not args.no_bare)
+                    rows.append(fig)
+                    print(json.dumps(fig.to_json()), flush=True)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(
+        "\n| flavour | services | start → 1st sync | 1st sync itself | bare tool | bare"
+        " | ratio | VmRSS after 1st sync | VmHWM | load |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for f in rows:
+        ratio = f"{f.first_sync_s / f.bare_s:.2f}x" if f.bare_s else "-"
+        bare = f"{f.bare_s:.2f} s" if f.bare_s else "-"
+        print(
+            f"| {f.backend} | {f.size:,} | {f.first_sync_s:.2f} s | {f.sync_duration_s:.2f} s |"
+            f" {f.bare_tool or '-'} | {bare} | {ratio} | {f.rss_mb:.0f} MiB | {f.hwm_mb:.0f} MiB"
+            f" | {f.load} |"
+        )
+    for flavour in flavours:
+        ratios = [f.first_sync_s / f.bare_s for f in rows if f.backend == flavour and f.bare_s]
+        if len(ratios) > 1:
+            print(f"{flavour}: median ratio {statistics.median(ratios):.2f}x of {len(ratios)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

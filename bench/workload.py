@@ -29,15 +29,22 @@ _POD_BASE = int(ipaddress.IPv4Address("10.128.1.0"))
 # Replacement endpoints of a changed service come from here, so they never collide.
 _CHANGED_BASE = int(ipaddress.IPv4Address("10.250.0.0"))
 
-CONFIG_YAML = f"""\
+
+def config_yaml(mode: str = "iptables") -> str:
+    """The bench's KubeProxyConfiguration in a proxy mode. The mode goes in the file: with a
+    config file, `kproxy run` ignores --proxy-mode (as upstream ignores its flags)."""
+    return f"""\
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
-mode: iptables
+mode: {mode}
 hostnameOverride: {NODE_NAME}
 clusterCIDR: {CLUSTER_CIDR}
-iptables: {{minSyncPeriod: 1s, syncPeriod: 30s}}
+{mode}: {{minSyncPeriod: 1s, syncPeriod: 30s}}
 conntrack: {{maxPerCore: 0}}
 """
+
+
+CONFIG_YAML = config_yaml()
 
 
 def _ip(n: int) -> str:
