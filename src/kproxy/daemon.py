@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from kproxy.config import ConfigError, ProxyConfig, load_config, rule_options
 from kproxy.conntrack import cleanup_stale_udp
 from kproxy.dataplane.base import Dataplane
-from kproxy.dataplane.nftables.layouts import switch_layout
 from kproxy.dataplane.nodepolicy import NodePortAddresses, localhost_node_ports_enabled
 from kproxy.dataplane.registry import create_dataplane
 from kproxy.defaults import DEFAULT_STATE_DIR
@@ -220,6 +219,9 @@ class Daemon:
             if self.previous_mode is None:
                 return {"ok": False, "error": "no previous mode: this kproxy has not switched yet"}
             to, nftables_layout = self.previous_mode, self.previous_layout
+        # Imported on use: a daemon in another mode loads no nftables module.
+        from kproxy.dataplane.nftables.layouts import switch_layout
+
         nftables_layout = switch_layout(to, nftables_layout, self.nftables_layout)
         with self.loop.exclusive():
             old = self.dataplane
