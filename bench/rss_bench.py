@@ -5,7 +5,8 @@ fresh bench namespace via `ip netns exec`, with its objects from one of two sour
 `--source files` (the default) one YAML file per service (`--source DIR`); `--source api`
 the same objects listed and watched from the lab's API server (kproxy.lab.kubeapi, served
 by this process on the namespace's loopback; the config's clientConnection.kubeconfig names
-it), as a production node reads them. We
+it), as a production node reads them (that server is Python in this process, on the same
+cores: its share of the API figure is what a real API server's would be). We
 wait for status.json in its state dir to report syncs >= 1, then read /proc/<pid>/status;
 then wait for the start-up leftover scan to finish (status.json's leftovers_removed: it
 reads whole rule dumps beside the running mode), STEADY_WAIT seconds more, and read again
