@@ -1,7 +1,12 @@
 """Memory of the real `kproxy run` at N services: VmRSS / VmHWM after its first sync.
 
-kproxy runs as production runs it (`python -m kproxy.cli run --source DIR --config ...`),
-inside a fresh bench namespace via `ip netns exec`, reading one YAML file per service. We
+kproxy runs as production runs it (`python -m kproxy.cli run --config ...`), inside a
+fresh bench namespace via `ip netns exec`, with its objects from one of two sources:
+`--source files` (the default) one YAML file per service (`--source DIR`); `--source api`
+the same objects listed and watched from the lab's API server (kproxy.lab.kubeapi, served
+by this process on the namespace's loopback; the config's clientConnection.kubeconfig names
+it), as a production node reads them (that server is Python in this process, on the same
+cores: its share of the API figure is what a real API server's would be). We
 wait for status.json in its state dir to report syncs >= 1, then read /proc/<pid>/status;
 then wait for the start-up leftover scan to finish (status.json's leftovers_removed: it
 reads whole rule dumps beside the running mode), STEADY_WAIT seconds more, and read again
@@ -16,7 +21,7 @@ size, where the daemon splits its sync (bench.sync_bench times the bare restore 
 pieces); the figure is fair for legacy and nftables mode only.
 
     .venv/bin/python -m bench.rss_bench [--sizes 10000] [--flavours nftables-compact]
-        [--repeats 1] [--no-bare]
+        [--repeats 1] [--source files|api] [--no-bare]
 
 Flavours: nft, legacy (iptables mode on that backend), nftables, nftables-compact.
 """
@@ -43,7 +48,9 @@ from bench.nft_incremental import nft_times
 from bench.sync_bench import bare_restore
 from kproxy.dataplane.nftables.layouts import MODE as NFTABLES_MODE
 from kproxy.dataplane.nftables.layouts import parse_target, target_name
+from kproxy.lab.kubeapi import KubeApiServer, KubeApiStore
 
+SOURCES = ("files", "api")
 FIRST_SYNC_TIMEOUT = 600.0
 STEADY_WAIT = 5.0
 _FIRST_FULL_RE = re.compile(r"kproxy\.sync: full sync: .* ([\d.]+) s$", re.MULTILINE)
@@ -62,6 +69,7 @@ class RssFigures:
     idle_cpu_pct: float = 0.0  # CPU of the idle process (polling), % of one core
     bare_s: float = 0.0  # the bare tool loading the same rules into a fresh namespace
     bare_tool: str = ""
+    source: str = "files"  # where the daemon read its objects: files or api
     load: str = ""  # the load average when the first sync was reported
     workaround: str = ""
     problem: str = ""
@@ -120,22 +128,29 @@ def _flavour(flavour: str) -> tuple[str, list[str]]:
 
 
 def measure(
-    flavour: str, size: int, workdir: Path, log: Callable[[str], None], *, bare: bool = False
+    flavour: str,
+    size: int,
+    workdir: Path,
+    log: Callable[[str], None],
+    *,
+    bare: bool = False,
+    objects_from: str = "files",
 ) -> RssFigures:
     """RSS of `kproxy run` at `size` services; flavour: "nft" or "legacy" (iptables mode on
     that backend), "nftables" or "nftables-compact" (nftables mode in a layout). bare: also
-    time the bare tool loading the same rules (bare_load)."""
+    time the bare tool loading the same rules (bare_load). objects_from: "files" or "api"."""
     source, config = prepare_files(workdir, size, flavour)
-    fig = RssFigures(flavour, size)
+    fig = RssFigures(flavour, size, source=objects_from)
+    store = _api_store(size) if objects_from == "api" else None
     try:
-        _run_once(fig, source, config, workdir, precreate=False, log=log)
+        _run_once(fig, source, config, workdir, precreate=False, log=log, store=store)
     except _Bug1:
         # A fresh node never gets its first sync on nft (bench/fixes.py bug 1). To still
         # see the memory, give the namespace the chain the first piece needs.
         fig.workaround = "bug 1: KUBE-MARK-MASQ pre-created in the namespace"
         log(f"    rss {flavour} {size}: first sync hit bug 1; retrying with the chain pre-created")
         netns.wait_quiet(min_wait=2.0, busy_below=0.2)
-        _run_once(fig, source, config, workdir, precreate=True, log=log)
+        _run_once(fig, source, config, workdir, precreate=True, log=log, store=store)
     if bare:
         netns.wait_quiet(min_wait=2.0, busy_below=0.2)
         fig.bare_tool, fig.bare_s = bare_load(flavour, source, config, workdir)
@@ -176,6 +191,28 @@ class _Bug1(Exception):
     pass
 
 
+def _api_store(size: int) -> KubeApiStore:
+    """The lab's API server state holding the same objects as the file source."""
+    store = KubeApiStore()
+    for obj in workload.objects(size):
+        store.apply(obj)
+    return store
+
+
+def _source_args(
+    ns: str, source: Path, config: Path, state: Path, store: KubeApiStore | None
+) -> tuple[list[str], KubeApiServer | None]:
+    """The daemon's options naming its source, and the API front end it reads (if any): in
+    the namespace, on its loopback, named by the config's kubeconfig as in production."""
+    if store is None:
+        return ["--source", str(source), "--config", str(config)], None
+    server = KubeApiServer(store, netns=ns).start()
+    kubeconfig = server.kubeconfig(state / "kubeconfig")
+    api_config = state / "config.yaml"
+    api_config.write_text(config.read_text() + f"clientConnection: {{kubeconfig: {kubeconfig}}}\n")
+    return ["--config", str(api_config)], server
+
+
 def _run_once(
     fig: RssFigures,
     source: Path,
@@ -184,6 +221,7 @@ def _run_once(
     *,
     precreate: bool,
     log: Callable[[str], None],
+    store: KubeApiStore | None = None,
 ) -> None:
     # a fresh state dir every run (repeats share the workdir): nothing of a previous run read
     state = Path(tempfile.mkdtemp(dir=workdir, prefix=f"state-{fig.backend}-{fig.size}-"))
@@ -196,6 +234,7 @@ def _run_once(
                 ),
                 check=True,
             )
+        source_args, server = _source_args(ns, source, config, state, store)
         argv = netns.exec_argv(
             ns,
             [
@@ -203,10 +242,7 @@ def _run_once(
                 "-m",
                 "kproxy.cli",
                 "run",
-                "--source",
-                str(source),
-                "--config",
-                str(config),
+                *source_args,
                 "--state-dir",
                 str(state),
                 "--node-ip",
@@ -234,12 +270,14 @@ def _run_once(
             fig.idle_cpu_pct = 100 * (_cpu_seconds(proc.pid) - cpu0) / STEADY_WAIT
             fig.steady_rss_mb = _proc_status(proc.pid)["VmRSS"]
             log(
-                f"    rss {fig.backend} {fig.size}: RSS {fig.rss_mb:.0f} MiB, peak "
+                f"    rss {fig.backend} {fig.size} ({fig.source}): RSS {fig.rss_mb:.0f} MiB, peak "
                 f"{fig.hwm_mb:.0f} MiB, first sync after {fig.first_sync_s:.1f} s "
                 f"(the sync itself {fig.sync_duration_s:.1f} s; load {fig.load})"
             )
         finally:
             _stop(proc)
+            if server is not None:
+                server.stop()
 
 
 def _wait_first_sync(
@@ -299,12 +337,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="10000")
     ap.add_argument("--flavours", default="nftables-compact")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each (flavour, size)")
+    ap.add_argument(
+        "--source",
+        default="files",
+        help="where the daemon reads its objects: files, api or both (files,api)",
+    )
     ap.add_argument("--no-bare", action="store_true", help="skip the bare tool's figure")
     ap.add_argument("--workdir", type=Path, help="keep the objects and rules here")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("bench: needs root (it creates network namespaces)")
     flavours = [f.strip() for f in args.flavours.split(",") if f.strip()]
+    sources = [s.strip() for s in args.source.split(",") if s.strip()]
+    if not sources or any(s not in SOURCES for s in sources):
+        sys.exit(f"bench: --source {args.source!r}: files, api or files,api")
     for flavour in flavours:
         _flavour(flavour)  # an unknown flavour fails here, before any work
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kproxy-rss-bench-"))
@@ -319,29 +365,46 @@ def main(argv: list[str] | None = None) -> int:
         for size in (int(s) for s in args.sizes.split(",")):
             for flavour in flavours:
                 for _ in range(args.repeats):
-                    fig = measure(flavour, size, workdir, log, bare=not args.no_bare)
-                    rows.append(fig)
-                    print(json.dumps(fig.to_json()), flush=True)
+                    for objects_from in sources:
+                        fig = measure(
+                            flavour,
+                            size,
+                            workdir,
+                            log,
+                            bare=not args.no_bare,
+                            objects_from=objects_from,
+                        )
+                        rows.append(fig)
+                        print(json.dumps(fig.to_json()), flush=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     print(
-        "\n| flavour | services | start → 1st sync | 1st sync itself | bare tool | bare"
+        "\n| flavour | source | services | start → 1st sync | 1st sync itself | bare tool | bare"
         " | ratio | VmRSS after 1st sync | VmHWM | load |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for f in rows:
         ratio = f"{f.first_sync_s / f.bare_s:.2f}x" if f.bare_s else "-"
         bare = f"{f.bare_s:.2f} s" if f.bare_s else "-"
         print(
-            f"| {f.backend} | {f.size:,} | {f.first_sync_s:.2f} s | {f.sync_duration_s:.2f} s |"
+            f"| {f.backend} | {f.source} | {f.size:,} | {f.first_sync_s:.2f} s |"
+            f" {f.sync_duration_s:.2f} s |"
             f" {f.bare_tool or '-'} | {bare} | {ratio} | {f.rss_mb:.0f} MiB | {f.hwm_mb:.0f} MiB"
             f" | {f.load} |"
         )
     for flavour in flavours:
-        ratios = [f.first_sync_s / f.bare_s for f in rows if f.backend == flavour and f.bare_s]
-        if len(ratios) > 1:
-            print(f"{flavour}: median ratio {statistics.median(ratios):.2f}x of {len(ratios)}")
+        for objects_from in sources:
+            ratios = [
+                f.first_sync_s / f.bare_s
+                for f in rows
+                if f.backend == flavour and f.source == objects_from and f.bare_s
+            ]
+            if len(ratios) > 1:
+                print(
+                    f"{flavour} ({objects_from}): median ratio"
+                    f" {statistics.median(ratios):.2f}x of {len(ratios)}"
+                )
     return 0
 
 

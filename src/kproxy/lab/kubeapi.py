@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import itertools
 import json
 import re
 import socket
@@ -391,17 +392,22 @@ class KubeApiStore:
                         "The provided continue parameter is too old to display a consistent"
                         " list result. You can start a new list without the continue parameter.",
                     )
-            items = [
-                copy.deepcopy(o)
+            selected = (
+                o
                 for (p, ons, name), o in sorted(self._objects.items())
                 if p == plural
                 and (not ns or ons == ns)
                 and f"{ons}/{name}" > after
                 and self._matches(o, labels, fields)
-            ]
+            )
+            # Only the page (and one more, to know whether there are more) is matched and
+            # copied: a list of 10,000 objects in pages of 500 would otherwise copy every
+            # later page's objects too, once per page.
+            matched = list(itertools.islice(selected, limit + 1) if limit else selected)
+            more = bool(limit) and len(matched) > limit
+            items = [copy.deepcopy(o) for o in (matched[:limit] if more else matched)]
         meta: Obj = {"resourceVersion": str(rv)}
-        if limit and len(items) > limit:
-            items = items[:limit]
+        if more:
             last = items[-1]["metadata"]
             after = f"{last.get('namespace', '')}/{last['name']}"
             token = json.dumps({"rv": rv, "after": after}).encode()

@@ -670,14 +670,19 @@ class FileSource:
         """The object as the sink must now get it. Usually it was just parsed; only when a
         duplicate's winning file goes away does the older file have to be read again."""
         fresh = self._fresh.get(path)
-        if fresh is None:
+        if fresh is not None:
+            # Parsed in this poll from the content its digests were taken of: they match.
+            obj = fresh.get(key)
+            if obj is not None:
+                return obj
+        else:
             try:
                 fresh = self._fresh[path] = _parse_file(Path(path)).objects
             except (OSError, _FileError):  # _parse_file raises nothing else
                 fresh = self._fresh[path] = {}
-        obj = fresh.get(key)
-        if obj is not None and _object_digest(obj) == digest:
-            return obj
+            obj = fresh.get(key)
+            if obj is not None and _object_digest(obj) == digest:
+                return obj
         # The file changed since its last good read: let its next refresh settle it.
         self._states[path].sig = None
         return None
